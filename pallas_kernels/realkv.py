@@ -1,0 +1,162 @@
+"""Real-KV sources and the byte fold that fingerprints a slot's KV bytes (SGLang's ``fold_sources``).
+
+The fold arithmetic (:func:`fold_chunk`, :func:`fold_source_into`) is shared by every backend; only the way the
+16-byte chunks are loaded differs (a jnp gather here, ref loads inside a Pallas kernel).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from pallas_kernels import hash64, layout
+
+_WORDS_PER_CHUNK = layout.REAL_KV_CHUNK_BYTES // 4
+
+
+@dataclasses.dataclass(frozen=True)
+class RealKvSource:
+    """One KV tensor whose bytes are folded into a slot's REAL_KV_HASH.
+
+    Attributes:
+      data: any dtype, leading axis = pages; e.g. ``bf16[num_pages, page_size, kv_heads, head_dim]``.
+      page_size: token slots per page (>= 1). Slot ``s`` lives in page ``s // page_size``.
+      num_bytes_per_token: bytes of one token inside a page row, a positive multiple of 16.
+      read_bytes: bytes folded in ALL mode, a multiple of 16 in ``[16, num_bytes_per_token]``; PARTIAL mode
+        always folds the first 16. ``None`` means all ``num_bytes_per_token``.
+    """
+
+    data: jax.Array
+    page_size: int = 1
+    num_bytes_per_token: int | None = None
+    read_bytes: int | None = None
+
+    def __post_init__(self):
+        row_bytes = _row_bytes(self.data)
+        if not isinstance(self.page_size, int) or self.page_size < 1:
+            raise ValueError(f"RealKvSource.page_size must be an int >= 1; got page_size={self.page_size!r}")
+        if self.num_bytes_per_token is None:
+            object.__setattr__(self, "num_bytes_per_token", row_bytes // self.page_size)
+        if self.read_bytes is None:
+            object.__setattr__(self, "read_bytes", self.num_bytes_per_token)
+        bpt, rb = self.num_bytes_per_token, self.read_bytes
+        if not isinstance(bpt, int) or bpt <= 0 or bpt % 16:
+            raise ValueError(f"RealKvSource.num_bytes_per_token must be a positive multiple of 16; got {bpt!r}")
+        if self.page_size * bpt > row_bytes:
+            raise ValueError(
+                f"RealKvSource: page_size * num_bytes_per_token = {self.page_size * bpt} exceeds the page row of "
+                f"{row_bytes} bytes (data shape {tuple(self.data.shape)}, dtype {self.data.dtype})"
+            )
+        if not isinstance(rb, int) or rb <= 0 or rb % 16 or rb > bpt:
+            raise ValueError(
+                f"read_bytes must be a positive multiple of 16 and <= num_bytes_per_token; got read_bytes={rb!r}, "
+                f"num_bytes_per_token={bpt}"
+            )
+
+    @property
+    def num_token_slots(self) -> int:
+        """How many token slots the pages hold."""
+        return int(self.data.shape[0]) * self.page_size
+
+
+jax.tree_util.register_dataclass(
+    RealKvSource, data_fields=["data"], meta_fields=["page_size", "num_bytes_per_token", "read_bytes"]
+)
+
+
+def _row_bytes(data) -> int:
+    if not hasattr(data, "shape") or not hasattr(data, "dtype"):
+        raise TypeError(f"RealKvSource.data must be an array; got {type(data).__name__}")
+    if len(data.shape) < 1:
+        raise ValueError(f"RealKvSource.data needs a leading page axis; got shape {tuple(data.shape)}")
+    dtype = jnp.dtype(data.dtype)
+    if dtype == jnp.bool_ or dtype.itemsize not in (1, 2, 4, 8):
+        raise TypeError(f"RealKvSource.data must have a 1/2/4/8-byte numeric dtype; got {dtype}")
+    row_bytes = math.prod(data.shape[1:]) * dtype.itemsize
+    if row_bytes % 16:
+        raise ValueError(f"RealKvSource: a page row must be a multiple of 16 bytes; got {row_bytes} bytes")
+    return row_bytes
+
+
+def validate_sources(sources: Sequence[RealKvSource], *, num_slots: int, arg: str = "real_kv_sources") -> None:
+    """Trace-time checks: at most 4 sources, each a ``RealKvSource`` covering every canary slot."""
+    if len(sources) > layout.MAX_REAL_KV_SOURCES:
+        raise ValueError(f"{arg} holds at most {layout.MAX_REAL_KV_SOURCES} sources; got {len(sources)}")
+    for i, src in enumerate(sources):
+        if not isinstance(src, RealKvSource):
+            raise TypeError(f"{arg}[{i}] must be a RealKvSource; got {type(src).__name__}")
+        if src.num_token_slots < num_slots:
+            raise ValueError(
+                f"{arg}[{i}] holds {src.num_token_slots} token slots (pages * page_size) but the canary buffer "
+                f"has num_slots={num_slots}; every canary slot needs KV bytes to fold"
+            )
+
+
+def as_words(data: jax.Array) -> jax.Array:
+    """Views a source as ``u32[pages, row_bytes // 4]`` (little-endian words) without copying semantics."""
+    pages = data.shape[0]
+    itemsize = jnp.dtype(data.dtype).itemsize
+    flat = data.reshape(pages, -1)
+    if itemsize < 4:
+        flat = flat.reshape(pages, -1, 4 // itemsize)
+    return lax.bitcast_convert_type(flat, jnp.uint32).reshape(pages, -1)
+
+
+def num_chunks(source: RealKvSource, mode: int) -> int:
+    """16-byte chunks folded per slot: 1 in PARTIAL mode, ``read_bytes / 16`` in ALL mode."""
+    return 1 if mode == layout.REAL_KV_PARTIAL else source.read_bytes // layout.REAL_KV_CHUNK_BYTES
+
+
+def fold_chunk(acc: hash64.U64, words: tuple[jax.Array, ...]) -> hash64.U64:
+    """Folds one 16-byte chunk, given as 4 little-endian u32 words, as two u64 words: ``acc = sm(acc ^ w)``."""
+    w0, w1, w2, w3 = words
+    acc = hash64.splitmix64(hash64.xor(acc, (w0, w1)))
+    return hash64.splitmix64(hash64.xor(acc, (w2, w3)))
+
+
+def fold_source_into(outer: hash64.U64, one: hash64.U64) -> hash64.U64:
+    """Combines one source's fold into the running result: ``outer = sm(outer ^ fold)``."""
+    return hash64.splitmix64(hash64.xor(outer, one))
+
+
+def slot_word_offset(source: RealKvSource, slots: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(page row, first u32 word) of each slot's bytes: ``(s // page_size, (s % page_size) * bpt / 4)``."""
+    return slots // source.page_size, (slots % source.page_size) * (source.num_bytes_per_token // 4)
+
+
+def fold_slots(
+    sources: Sequence[RealKvSource],
+    slots: jax.Array,
+    mode: int,
+    load_chunk: Callable[[int, jax.Array, jax.Array, jax.Array], tuple[jax.Array, ...]] | None = None,
+) -> hash64.U64:
+    """REAL_KV_HASH of each slot in ``slots`` (any shape); 0 when the mode is NONE or there are no sources.
+
+    ``load_chunk(source_index, row, word, chunk)`` returns the 4 words of one chunk; the default gathers them
+    from the jnp word view, and a Pallas kernel passes a ref-loading function instead.
+    """
+    zero = hash64.const(0, slots)
+    if mode == layout.REAL_KV_NONE or not sources:
+        return zero
+    if load_chunk is None:
+        views = [as_words(src.data) for src in sources]
+
+        def load_chunk(i, row, word, chunk):
+            base = word + chunk * _WORDS_PER_CHUNK
+            return tuple(views[i][row, base + k] for k in range(_WORDS_PER_CHUNK))
+
+    outer = zero
+    for i, src in enumerate(sources):
+        row, word = slot_word_offset(src, slots)
+
+        def body(chunk, acc, i=i, row=row, word=word):
+            return fold_chunk(acc, load_chunk(i, row, word, chunk))
+
+        one = lax.fori_loop(0, num_chunks(src, mode), body, zero)
+        outer = fold_source_into(outer, one)
+    return outer

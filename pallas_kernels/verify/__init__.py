@@ -1,0 +1,1 @@
+"""verify op: pure-jnp reference and Pallas kernels behind one api."""

@@ -1,0 +1,1 @@
+"""write op: pure-jnp reference and Pallas kernels behind one api."""

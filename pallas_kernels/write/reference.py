@@ -1,0 +1,118 @@
+"""Pure-jnp write chain: the serial per-request hash chain, vectorised across requests.
+
+The chain ``h' = mix3(h, token, position)`` is not associative, so one request's entries are inherently serial.
+Instead of one XLA loop step per token, each loop step walks a block of ``CHAIN_BLOCK`` entries of every request
+in straight-line (unrolled) code, so a 4096-token prefill chunk takes 4096 / CHAIN_BLOCK loop steps and a decode
+step takes one.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from pallas_kernels import hash64, records
+
+CHAIN_BLOCK = 8
+
+
+class ChainOut(NamedTuple):
+    """Per-entry results of the serial walk, indexed like the token arrays (``T`` entries)."""
+
+    prev_hash: jax.Array  # u32[T, 2]: running chain hash stored as the entry's PREV_HASH
+    expected_position: jax.Array  # u32[T, 2]: previous position + 1 (chain-position assert's expectation)
+    position_assert_failed: jax.Array  # bool[T]
+    written: jax.Array  # bool[T]: covered by a valid request and out_cache_loc >= 0
+
+
+def request_spans(write_offsets: jax.Array, num_valid_reqs: jax.Array, num_tokens: int):
+    """(start, count) of each request's entries, clamped to the token arrays; count 0 past ``num_valid_reqs``."""
+    num_reqs = write_offsets.shape[0] - 1
+    valid = jnp.arange(num_reqs) < jnp.clip(num_valid_reqs[0], 0, num_reqs)
+    start = jnp.clip(write_offsets[:-1], 0, num_tokens)
+    end = jnp.clip(write_offsets[1:], 0, num_tokens)
+    return start, jnp.where(valid, jnp.maximum(end - start, 0), 0)
+
+
+def chain_seeds(canary_buf, seed_slot_indices, count, enable_chain_position_assert):
+    """Initial running hash, running position and position-assert switch of each request."""
+    seed_record = records.load(canary_buf, seed_slot_indices)
+    head = hash64.anchor_hash(seed_slot_indices)
+    running_hash = hash64.where(seed_slot_indices < 0, head, records.chain_hash(seed_record))
+    check_position = (seed_slot_indices >= 0) & (enable_chain_position_assert[0] != 0) & (count > 0)
+    return running_hash, seed_record[1], check_position
+
+
+def write_chain(
+    canary_buf: jax.Array,
+    write_offsets: jax.Array,
+    seed_slot_indices: jax.Array,
+    num_valid_reqs: jax.Array,
+    input_ids: jax.Array,
+    positions: jax.Array,
+    out_cache_loc: jax.Array,
+    enable_chain_position_assert: jax.Array,
+) -> ChainOut:
+    """Walks every request's entries in order, as SGLang's one-thread-per-request write kernel does.
+
+    Args:
+      canary_buf: u32[num_slots, 4, 2], read for the seeds only (the state before this launch).
+      write_offsets: i32[R + 1]; seed_slot_indices: i32[R]; num_valid_reqs: i32[1].
+      input_ids, positions, out_cache_loc: i32[T].
+      enable_chain_position_assert: i32[1].
+    """
+    num_tokens = out_cache_loc.shape[0]
+    start, count = request_spans(write_offsets, num_valid_reqs, num_tokens)
+    running_hash, running_pos, check_position = chain_seeds(
+        canary_buf, seed_slot_indices, count, enable_chain_position_assert
+    )
+    lanes = jnp.arange(CHAIN_BLOCK)
+    out = ChainOut(
+        prev_hash=jnp.zeros((num_tokens, 2), jnp.uint32),
+        expected_position=jnp.zeros((num_tokens, 2), jnp.uint32),
+        position_assert_failed=jnp.zeros((num_tokens,), bool),
+        written=jnp.zeros((num_tokens,), bool),
+    )
+
+    def block(k, carry):
+        h, pos_prev, out = carry
+        offset = k * CHAIN_BLOCK + lanes[None, :]  # [R, B]
+        covered = offset < count[:, None]
+        entry = jnp.where(covered, start[:, None] + offset, num_tokens)  # sentinel T is dropped below
+        safe = jnp.minimum(entry, num_tokens - 1)
+        slot, token, position = out_cache_loc[safe], input_ids[safe], positions[safe]
+        live = covered & (slot >= 0)
+        # history[j] = (hash lo, hash hi, position lo, position hi) before entry j, u32[B, 4, R]. Routing every
+        # step through it keeps XLA from fusing the unrolled chain into one expression: XLA:CPU re-emits shared
+        # subexpressions of a fused chain, which cost 0.5 s per block at B=4 (optimization_barrier is expanded
+        # before fusion on CPU, so it cannot help). The traced ``zero`` stops the simplifier from folding the
+        # store/load pair away.
+        history = jnp.zeros((CHAIN_BLOCK, 4, count.shape[0]), jnp.uint32)
+        zero = jnp.minimum(k, 0)
+        for j in range(CHAIN_BLOCK):  # straight-line: the serial dependency stays inside one loop step
+            history = lax.dynamic_update_index_in_dim(history, jnp.stack([*h, *pos_prev]), j + zero, 0)
+            state = lax.dynamic_index_in_dim(history, j + zero, 0, keepdims=False)
+            h, pos_prev = (state[0], state[1]), (state[2], state[3])
+            pos_j = hash64.from_i32(position[:, j])
+            h = hash64.where(live[:, j], hash64.mix3(h, hash64.from_i32(token[:, j]), pos_j), h)
+            pos_prev = hash64.where(live[:, j], pos_j, pos_prev)
+        history = jnp.transpose(history, (2, 0, 1))  # [R, B, 4]
+        prev_position = (history[..., 2], history[..., 3])
+        expected = hash64.add(prev_position, hash64.const(1, prev_position[0]))
+        failed = live & check_position[:, None] & hash64.ne(hash64.from_i32(position), expected)
+        entry = entry.reshape(-1)
+        scatter = lambda dst, vals: dst.at[entry].set(vals.reshape((-1,) + dst.shape[1:]), mode="drop")  # noqa: E731
+        out = ChainOut(
+            prev_hash=scatter(out.prev_hash, history[..., :2]),
+            expected_position=scatter(out.expected_position, hash64.join(expected)),
+            position_assert_failed=scatter(out.position_assert_failed, failed),
+            written=scatter(out.written, live),
+        )
+        return h, pos_prev, out
+
+    num_blocks = (jnp.max(count, initial=0) + CHAIN_BLOCK - 1) // CHAIN_BLOCK
+    _, _, out = lax.fori_loop(0, num_blocks, block, (running_hash, running_pos, out))
+    return out
