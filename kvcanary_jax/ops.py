@@ -6,6 +6,7 @@ from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from pallas_kernels import backend as backends
 from pallas_kernels import hash64, layout, realkv, records
@@ -45,6 +46,17 @@ def _validate_common(state, canary_buf, tag, real_kv_sources, real_kv_hash_mode,
     realkv.validate_sources(real_kv_sources, num_slots=num_slots)
     backends.validate(backend)
     return tag, parse_real_kv_hash_mode(real_kv_hash_mode)
+
+
+def _after_ring(log) -> jax.Array:
+    """A traced int32 zero that depends on the ring's rows.
+
+    A verify gathers its ring rows from the canary buffer lazily; XLA may then schedule that gather after a later
+    in-place record store to the same buffer and copy the whole buffer to keep its old value. Adding this zero to
+    the store's slots makes the store wait for the rows. Word [0, 7, 0] is row 0's fail bits, always < 2^31, and
+    XLA cannot fold the shift to a constant.
+    """
+    return lax.shift_right_logical(log.violation_ring[0, 7, 0], jnp.uint32(31)).astype(jnp.int32)
 
 
 def _sign_extended(x: jax.Array) -> hash64.U64:
@@ -189,7 +201,7 @@ def canary_write(
         plan.num_valid_reqs,
         input_ids,
         positions,
-        out_cache_loc,
+        out_cache_loc + _after_ring(state.violation_log),
         state.enable_chain_position_assert,
         real_kv_sources=tuple(real_kv_sources),
         real_kv_hash_mode=int(mode),

@@ -46,6 +46,19 @@ def chain_seeds(canary_buf, seed_slot_indices, count, enable_chain_position_asse
     return running_hash, seed_record[1], check_position
 
 
+def advance(h: hash64.U64, pos_prev: hash64.U64, token: jax.Array, position: jax.Array, live: jax.Array):
+    """One chain step: a live entry moves the running hash to ``mix3(h, token, position)`` and the position on."""
+    pos = hash64.from_i32(position)
+    h = hash64.where(live, hash64.mix3(h, hash64.from_i32(token), pos), h)
+    return h, hash64.where(live, pos, pos_prev)
+
+
+def position_assert(prev_position: hash64.U64, position: jax.Array, live: jax.Array, check: jax.Array):
+    """(previous position + 1, failed): the chain-position assert of live entries whose request checks it."""
+    expected = hash64.add(prev_position, hash64.const(1, prev_position[0]))
+    return expected, live & check & hash64.ne(hash64.from_i32(position), expected)
+
+
 def write_chain(
     canary_buf: jax.Array,
     write_offsets: jax.Array,
@@ -96,13 +109,10 @@ def write_chain(
             history = lax.dynamic_update_index_in_dim(history, jnp.stack([*h, *pos_prev]), j + zero, 0)
             state = lax.dynamic_index_in_dim(history, j + zero, 0, keepdims=False)
             h, pos_prev = (state[0], state[1]), (state[2], state[3])
-            pos_j = hash64.from_i32(position[:, j])
-            h = hash64.where(live[:, j], hash64.mix3(h, hash64.from_i32(token[:, j]), pos_j), h)
-            pos_prev = hash64.where(live[:, j], pos_j, pos_prev)
+            h, pos_prev = advance(h, pos_prev, token[:, j], position[:, j], live[:, j])
         history = jnp.transpose(history, (2, 0, 1))  # [R, B, 4]
         prev_position = (history[..., 2], history[..., 3])
-        expected = hash64.add(prev_position, hash64.const(1, prev_position[0]))
-        failed = live & check_position[:, None] & hash64.ne(hash64.from_i32(position), expected)
+        expected, failed = position_assert(prev_position, position, live, check_position[:, None])
         entry = entry.reshape(-1)
         scatter = lambda dst, vals: dst.at[entry].set(vals.reshape((-1,) + dst.shape[1:]), mode="drop")  # noqa: E731
         out = ChainOut(
