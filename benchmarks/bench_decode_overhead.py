@@ -47,6 +47,7 @@ class Point:
     mode: str | None = None  # real-KV mode: "none", "partial", "all"; None = canary off
     halves: str = "K+V"
     backend: str = "pallas"
+    detail: bool = False  # also check the compiled TAIL for buffer copies and time the canary alone
 
     @property
     def label(self) -> str:
@@ -57,24 +58,37 @@ class Point:
 def default_points(tiny: bool) -> list[Point]:
     """Most important first, so a time-limited run still covers the targets."""
     if tiny:
-        return [Point("decode", 2, 64), Point("decode", 2, 64, "partial"), Point("decode", 2, 64, "all", "K"),
-                Point("decode", 2, 64, "partial", backend="xla"), Point("prefill", 2, 32),
-                Point("prefill", 2, 32, "partial")]
+        return [
+            Point("decode", 2, 64),
+            Point("decode", 2, 64, "partial", detail=True),
+            Point("decode", 2, 64, "all", "K"),
+            Point("decode", 2, 64, "partial", backend="xla"),
+            Point("prefill", 2, 32),
+            Point("prefill", 2, 32, "partial"),
+        ]
     points = []
     for bs, ctx in [(64, 1024), (1, 1024), (256, 1024), (1, 8192), (64, 8192)]:
-        points += [Point("decode", bs, ctx), Point("decode", bs, ctx, "partial")]
+        points += [Point("decode", bs, ctx), Point("decode", bs, ctx, "partial", detail=(bs, ctx) == (64, 1024))]
         if (bs, ctx) == (64, 1024):
-            points += [Point("decode", bs, ctx, m, h, b) for m, h, b in [
-                ("none", "K+V", "pallas"), ("all", "K+V", "pallas"), ("partial", "K", "pallas"),
-                ("none", "K", "pallas"), ("all", "K", "pallas"), ("partial", "K+V", "xla")]]
+            points += [
+                Point("decode", bs, ctx, m, h, b)
+                for m, h, b in [
+                    ("none", "K+V", "pallas"),
+                    ("all", "K+V", "pallas"),
+                    ("partial", "K", "pallas"),
+                    ("none", "K", "pallas"),
+                    ("all", "K", "pallas"),
+                    ("partial", "K+V", "xla"),
+                ]
+            ]
     points += [Point("prefill", 32, 4096), Point("prefill", 32, 4096, "partial")]
     return points
 
 
 def copy_bandwidth(nbytes: int) -> float:
-    """Device copy bandwidth in bytes/s (bytes read + written), median of 10 after warm-up."""
-    x = jnp.ones((nbytes // 2,), jnp.bfloat16)
-    copy = jax.jit(lambda a: a + 1)
+    """Device copy bandwidth in bytes/s (bytes read + written by a u32 xor pass), median of 10 after warm-up."""
+    x = jnp.ones((nbytes // 4,), jnp.uint32)
+    copy = jax.jit(lambda a: a ^ 1)
     jax.block_until_ready(copy(x))
     times = []
     for _ in range(10):
@@ -114,8 +128,12 @@ def attention_kw(ctx: int, tiny: bool) -> tuple:
 def make_canary(point: Point, num_slots: int, verify_capacity: int, tiny: bool) -> runner.KvCanary:
     backend = "auto" if tiny and point.backend == "pallas" else point.backend  # no Triton on the CPU smoke test
     config = kc.CanaryConfig(mode="log", real_kv_hash_mode=point.mode, backend=backend, ring_capacity=1024)
-    return runner.KvCanary(config, kc_pool.CanaryPool(
-        num_slots=num_slots, page_size=PAGE_SIZE, with_v=point.halves == "K+V", verify_capacity=verify_capacity))
+    return runner.KvCanary(
+        config,
+        kc_pool.CanaryPool(
+            num_slots=num_slots, page_size=PAGE_SIZE, with_v=point.halves == "K+V", verify_capacity=verify_capacity
+        ),
+    )
 
 
 def kv_sources(canary: runner.KvCanary, kv, shape: lm.ModelShape):
@@ -183,22 +201,31 @@ def run_point(point: Point, params, pool: Pool, shape: lm.ModelShape, args, band
 
     def batch_for(input_ids):
         return runner.CanaryBatch(
-            req_pool_indices=jnp.arange(1, bs + 1, dtype=jnp.int32), prefix_lens=jnp.full((bs,), prefix, jnp.int32),
-            extend_lens=jnp.full((bs,), extend, jnp.int32), req_to_token=jnp.asarray(req_to_token),
-            input_ids=input_ids, positions=positions, out_cache_loc=out_cache_loc)
+            req_pool_indices=jnp.arange(1, bs + 1, dtype=jnp.int32),
+            prefix_lens=jnp.full((bs,), prefix, jnp.int32),
+            extend_lens=jnp.full((bs,), extend, jnp.int32),
+            req_to_token=jnp.asarray(req_to_token),
+            input_ids=input_ids,
+            positions=positions,
+            out_cache_loc=out_cache_loc,
+        )
 
     result = dict(dataclasses.asdict(point), label=point.label)
     if point.mode is None:
+
         def step(tok, kv):
             nxt, kv = forward(params, kv, tok, positions, out_cache_loc, block_tables, seq_lens)
             return (jnp.broadcast_to(nxt[:, None], (bs, tokens.shape[0] // bs)).reshape(-1), kv)
-        seconds, (_, pool.kv) = timed_loop(step, (tokens, pool.kv), args.steps if point.kind == "decode" else
-                                           args.prefill_steps, args.repeats)
+
+        seconds, (_, pool.kv) = timed_loop(
+            step, (tokens, pool.kv), args.steps if point.kind == "decode" else args.prefill_steps, args.repeats
+        )
     else:
         canary = make_canary(point, pool.num_pages * PAGE_SIZE, max(bs * ctx, 16), args.tiny)
         head = jax.jit(canary.before_forward, donate_argnums=(0,))
-        tail = jax.jit(lambda cs, b, kv: canary.after_forward(cs, b, kv_sources(canary, kv, shape)),
-                       donate_argnums=(0,))
+        tail = jax.jit(
+            lambda cs, b, kv: canary.after_forward(cs, b, kv_sources(canary, kv, shape)), donate_argnums=(0,)
+        )
         cstate = prime_chains(canary, pool, req_to_token, bs, ctx, shape, point)
 
         def step(tok, kv, cs):
@@ -207,24 +234,40 @@ def run_point(point: Point, params, pool: Pool, shape: lm.ModelShape, args, band
             nxt, kv = forward(params, kv, tok, positions, out_cache_loc, block_tables, seq_lens)
             cs = tail(cs, batch, kv)
             return (jnp.broadcast_to(nxt[:, None], (bs, tokens.shape[0] // bs)).reshape(-1), kv, cs)
-        seconds, (_, pool.kv, cstate) = timed_loop(step, (tokens, pool.kv, cstate), args.steps if point.kind ==
-                                                   "decode" else args.prefill_steps, args.repeats)
+
+        seconds, (_, pool.kv, cstate) = timed_loop(
+            step, (tokens, pool.kv, cstate), args.steps if point.kind == "decode" else args.prefill_steps, args.repeats
+        )
         report = kc.read_violations(cstate.violation_log)
         counters = np.asarray(cstate.device.kernel_run_counters)[:, 0]
-        result.update(violations=report.write_index, launches=[int(c) for c in counters],
-                      overflows=int(np.asarray(cstate.verify_overflows)[0]))
-        if point.kind == "decode" and args.check_hlo and point.backend == "pallas":
-            result["hlo_copies"] = hlo_copies(tail, cstate, batch_for(tokens), pool.kv)
-        canary_only = jax.jit(lambda cs, b, kv: canary.after_forward(canary.before_forward(cs, b),
-                                                                      b, kv_sources(canary, kv, shape)),
-                              donate_argnums=(0,))
-        only_seconds, (cstate, *_) = timed_loop(lambda cs, b, kv: (canary_only(cs, b, kv), b, kv),
-                                                (cstate, batch_for(tokens), pool.kv),
-                                                args.steps if point.kind == "decode" else args.prefill_steps,
-                                                args.repeats)
+        result.update(
+            violations=report.write_index,
+            launches=[int(c) for c in counters],
+            overflows=int(np.asarray(cstate.verify_overflows)[0]),
+        )
+        if not point.detail:
+            result["step_s"] = seconds
+            return finish(result, point, shape, bandwidth)
+        result["hlo_copies"] = hlo_copies(tail, cstate, batch_for(tokens), pool.kv)
+        canary_only = jax.jit(
+            lambda cs, b, kv: canary.after_forward(canary.before_forward(cs, b), b, kv_sources(canary, kv, shape)),
+            donate_argnums=(0,),
+        )
+        only_seconds, (cstate, *_) = timed_loop(
+            lambda cs, b, kv: (canary_only(cs, b, kv), b, kv),
+            (cstate, batch_for(tokens), pool.kv),
+            args.steps if point.kind == "decode" else args.prefill_steps,
+            args.repeats,
+        )
         result["canary_only_s"] = only_seconds
         del cstate
     result["step_s"] = seconds
+    return finish(result, point, shape, bandwidth)
+
+
+def finish(result: dict, point: Point, shape: lm.ModelShape, bandwidth: float) -> dict:
+    """Adds the roofline fraction (weights + KV bytes read, over copy bandwidth) and the canary's extra bytes."""
+    bs, ctx, seconds = point.bs, point.ctx, result["step_s"]
     read = shape.weight_bytes + (bs * ctx * shape.kv_bytes_per_token if point.kind == "decode" else 0)
     result["roofline_fraction"] = read / bandwidth / seconds
     result["canary_bytes"] = canary_bytes(point, shape)
@@ -236,12 +279,17 @@ def prime_chains(canary, pool: Pool, req_to_token, bs: int, ctx: int, shape, poi
     state = canary.init_state()
     cached = ctx - 1 if point.kind == "decode" else ctx
     batch = runner.CanaryBatch(
-        req_pool_indices=jnp.arange(1, bs + 1, dtype=jnp.int32), prefix_lens=jnp.zeros((bs,), jnp.int32),
-        extend_lens=jnp.full((bs,), cached, jnp.int32), req_to_token=jnp.asarray(req_to_token),
-        input_ids=jnp.ones((bs * cached,), jnp.int32), positions=jnp.tile(jnp.arange(cached, dtype=jnp.int32), bs),
-        out_cache_loc=jnp.asarray(req_to_token[1:, :cached].reshape(-1)))
-    prime = jax.jit(lambda cs, b, kv: canary.after_forward(canary.before_forward(cs, b), b,
-                                                            kv_sources(canary, kv, shape)))
+        req_pool_indices=jnp.arange(1, bs + 1, dtype=jnp.int32),
+        prefix_lens=jnp.zeros((bs,), jnp.int32),
+        extend_lens=jnp.full((bs,), cached, jnp.int32),
+        req_to_token=jnp.asarray(req_to_token),
+        input_ids=jnp.ones((bs * cached,), jnp.int32),
+        positions=jnp.tile(jnp.arange(cached, dtype=jnp.int32), bs),
+        out_cache_loc=jnp.asarray(req_to_token[1:, :cached].reshape(-1)),
+    )
+    prime = jax.jit(
+        lambda cs, b, kv: canary.after_forward(canary.before_forward(cs, b), b, kv_sources(canary, kv, shape))
+    )
     state = prime(state, batch, pool.kv)
     return canary.mark_init_finished(state)
 
@@ -249,26 +297,34 @@ def prime_chains(canary, pool: Pool, req_to_token, bs: int, ctx: int, shape, poi
 def hlo_copies(tail, cstate, batch, kv) -> int:
     """Copies of the KV pool or a canary buffer in the compiled TAIL launch (should be 0)."""
     text = tail.lower(cstate, batch, kv).compile().as_text()
-    big = {str(tuple(kv[0].shape)).replace(" ", "").strip("()"), str(tuple(cstate.full.k_tail.shape))
-           .replace(" ", "").strip("()")}
+    big = {
+        str(tuple(kv[0].shape)).replace(" ", "").strip("()"),
+        str(tuple(cstate.full.k_tail.shape)).replace(" ", "").strip("()"),
+    }
     return sum(1 for line in text.splitlines() if " copy(" in line and any(b in line for b in big))
 
 
 def write_outputs(results: list[dict], out: str, header: dict) -> str:
     off = {(r["kind"], r["bs"], r["ctx"]): r["step_s"] for r in results if r["mode"] is None}
-    lines = [f"Card: {header['device']}; jax {header['jax']}; {header['date']}; copy bandwidth "
-             f"{header['copy_bw'] / 1e12:.2f} TB/s; model {header['model']}", "",
-             "| step | bs | ctx | canary | backend | step ms | overhead % | canary-only ms | extra MB/step | "
-             "roofline (off) | violations |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"Card: {header['device']}; jax {header['jax']}; {header['date']}; copy bandwidth "
+        f"{header['copy_bw'] / 1e12:.2f} TB/s; model {header['model']}",
+        "",
+        "| step | bs | ctx | canary | backend | step ms | overhead % | canary-only ms | extra MB/step | "
+        "roofline (off) | violations |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in results:
         base = off.get((r["kind"], r["bs"], r["ctx"]))
         over = "" if r["mode"] is None or base is None else f"{100 * (r['step_s'] / base - 1):+.2f}"
         canary = "off" if r["mode"] is None else f"{r['mode']} {r['halves']}"
         only = f"{1e3 * r['canary_only_s']:.3f}" if "canary_only_s" in r else ""
         roof = f"{100 * r['roofline_fraction']:.0f}%" if r["mode"] is None else ""
-        lines.append(f"| {r['kind']} | {r['bs']} | {r['ctx']} | {canary} | {r['backend'] if r['mode'] else ''} | "
-                     f"{1e3 * r['step_s']:.3f} | {over} | {only} | {r['canary_bytes'] / 1e6:.1f} | {roof} | "
-                     f"{r.get('violations', '')} |")
+        lines.append(
+            f"| {r['kind']} | {r['bs']} | {r['ctx']} | {canary} | {r['backend'] if r['mode'] else ''} | "
+            f"{1e3 * r['step_s']:.3f} | {over} | {only} | {r['canary_bytes'] / 1e6:.1f} | {roof} | "
+            f"{r.get('violations', '')} |"
+        )
     table = "\n".join(lines)
     with open(os.path.join(out, "decode_overhead.md"), "w") as f:
         f.write(table + "\n")
@@ -287,9 +343,16 @@ def plot(results, off, path):
 
     fig, ax = plt.subplots(figsize=(7, 4))
     for ctx in sorted({r["ctx"] for r in results if r["kind"] == "decode"}):
-        pts = sorted((r["bs"], 100 * (r["step_s"] / off[("decode", r["bs"], ctx)] - 1)) for r in results
-                     if r["kind"] == "decode" and r["ctx"] == ctx and r["mode"] == "partial" and r["halves"] == "K+V"
-                     and r["backend"] == "pallas" and ("decode", r["bs"], ctx) in off)
+        pts = sorted(
+            (r["bs"], 100 * (r["step_s"] / off[("decode", r["bs"], ctx)] - 1))
+            for r in results
+            if r["kind"] == "decode"
+            and r["ctx"] == ctx
+            and r["mode"] == "partial"
+            and r["halves"] == "K+V"
+            and r["backend"] == "pallas"
+            and ("decode", r["bs"], ctx) in off
+        )
         if pts:
             ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=f"decode, context {ctx}")
     ax.axhline(1.0, color="grey", ls="--", lw=0.8, label="1% budget")
@@ -310,7 +373,6 @@ def main() -> None:
     parser.add_argument("--prefill-steps", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--only", type=int, nargs="*", help="indices into the point list")
-    parser.add_argument("--check-hlo", action="store_true", default=True)
     args = parser.parse_args()
     if args.tiny:
         args.steps, args.prefill_steps, args.repeats = min(args.steps, 3), 2, 1
@@ -321,8 +383,13 @@ def main() -> None:
         points = [points[i] for i in args.only]
     max_tokens = max(p.bs * p.ctx for p in points)
     bandwidth = copy_bandwidth(1 << 24 if args.tiny else 4 << 30)
-    header = dict(device=jax.devices()[0].device_kind, jax=jax.__version__, copy_bw=bandwidth,
-                  date=datetime.date.today().isoformat(), model="tiny" if args.tiny else "Llama-3-8B shape, bf16")
+    header = dict(
+        device=jax.devices()[0].device_kind,
+        jax=jax.__version__,
+        copy_bw=bandwidth,
+        date=datetime.date.today().isoformat(),
+        model="tiny" if args.tiny else "Llama-3-8B shape, bf16",
+    )
     print(f"# {header}", flush=True)
     params = lm.init_params(shape, jax.random.key(0))
     pool = Pool(shape, max_tokens // PAGE_SIZE + 1, seed=2)
@@ -334,9 +401,11 @@ def main() -> None:
             results.append(result)
             log.write(json.dumps(result) + "\n")
             log.flush()
-            print(f"[{i + 1}/{len(points)}] {point.label}: {1e3 * result['step_s']:.3f} ms/step "
-                  f"({time.perf_counter() - start:.0f} s) {json.dumps({k: v for k, v in result.items() if k in ('violations', 'hlo_copies', 'canary_only_s', 'roofline_fraction')})}",
-                  flush=True)
+            print(
+                f"[{i + 1}/{len(points)}] {point.label}: {1e3 * result['step_s']:.3f} ms/step "
+                f"({time.perf_counter() - start:.0f} s) {json.dumps({k: v for k, v in result.items() if k in ('violations', 'hlo_copies', 'canary_only_s', 'roofline_fraction')})}",
+                flush=True,
+            )
             write_outputs(results, args.out, header)
     print(write_outputs(results, args.out, header))
 

@@ -1,21 +1,29 @@
-"""Command line: ``python -m kvcanary_jax demo`` (the embedded default) or ``python -m kvcanary_jax example``."""
+"""Command line: ``python -m kvcanary_jax demo`` (the fault-injection demo) or ``python -m kvcanary_jax example``."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
-from kvcanary_jax import example
-
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m kvcanary_jax", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
-    commands.add_parser("demo", help="write, verify and tamper a chain (the fault-injection demo lands with issue 4)")
+    demo = commands.add_parser(
+        "demo", help="run a tiny paged-KV model with the canary: a clean run, then every fault kind; prints a table"
+    )
+    demo.add_argument("--json", action="store_true", help="print the results as JSON instead of a table")
+    demo.add_argument("--seed", type=int, default=0, help="seeds the weights, the workload and the fault targets")
+    demo.add_argument("--clean-steps", type=int, default=300, help="steps of the clean (no fault) run")
     commands.add_parser("example", help="write, verify and tamper one request's chain, printing the report")
-    parser.parse_args(argv)
-    found = example.run_example()
-    return 0 if found > 0 else 1
+    args = parser.parse_args(argv)
+    if args.command == "demo":
+        from kvcanary_jax.demo import cli  # imports the demo model only when asked for
+
+        return cli.run_demo(seed=args.seed, clean_steps=args.clean_steps, as_json=args.json)
+    from kvcanary_jax import example
+
+    return 0 if example.run_example() > 0 else 1
 
 
 if __name__ == "__main__":

@@ -57,6 +57,8 @@ class FailReason(enum.IntFlag):
     WRITE_TOKEN_MISMATCH = layout.FAIL_WRITE_TOKEN
     WRITE_POSITION_MISMATCH = layout.FAIL_WRITE_POSITION
     VERIFY_TOKEN_MISMATCH = layout.FAIL_VERIFY_TOKEN
+    # Ours, beyond SGLang's six: TP shards disagree on a written record's chain fields (kvcanary_jax.sharding).
+    SHARD_CHAIN_MISMATCH = 1 << 6
 
 
 class RealKvHashMode(enum.IntEnum):

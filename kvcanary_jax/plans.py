@@ -145,7 +145,7 @@ def build_plans(
     num_valid = jnp.where(overflow, verify_capacity, total)
 
     t = jnp.arange(verify_capacity, dtype=jnp.int32)
-    req = jnp.clip(jnp.searchsorted(verify_starts, t, side="right") - 1, 0, bs - 1)
+    req = jnp.clip(jnp.searchsorted(verify_starts, t, side="right", method="scan_unrolled") - 1, 0, bs - 1)
     pos = window_start[req] + t - verify_starts[req]
     row = req_pool_indices[req]
     slot = translate(req_to_token[row, jnp.clip(pos, 0, max_context - 1)], lut)

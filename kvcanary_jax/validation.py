@@ -16,7 +16,8 @@ def array(name: str, x, *, dtype=None, ndim: int | None = None, shape: tuple | N
         raise ValueError(f"{name} must have {ndim} dimension(s); got {name}.shape={tuple(x.shape)}")
     if shape is not None:
         if len(x.shape) != len(shape) or any(e is not None and e != a for e, a in zip(shape, x.shape)):
-            want = tuple("*" if e is None else e for e in shape)
+            dims = ", ".join("*" if e is None else str(e) for e in shape)
+            want = f"({dims},)" if len(shape) == 1 else f"({dims})"  # (*, 4, 2), not ('*', 4, 2)
             raise ValueError(f"{name} must have shape {want}; got {name}.shape={tuple(x.shape)}")
 
 

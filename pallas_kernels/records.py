@@ -32,6 +32,11 @@ def chain_hash(record: Record) -> hash64.U64:
     return hash64.mix3(prev_hash, token, position)
 
 
+def record_hash(slots: jax.Array, record: Record) -> hash64.U64:
+    """H(slot) of already loaded records, with H(s) = splitmix64(anchor) for a chain head (s < 0)."""
+    return hash64.where(slots < 0, hash64.anchor_hash(slots), chain_hash(record))
+
+
 def slot_hash(canary_buf: jax.Array, slots: jax.Array) -> hash64.U64:
     """H(slot), with H(s) = splitmix64(anchor) for a chain head (s < 0)."""
-    return hash64.where(slots < 0, hash64.anchor_hash(slots), chain_hash(load(canary_buf, slots)))
+    return record_hash(slots, load(canary_buf, slots))

@@ -6,7 +6,6 @@ from kvcanary_jax.demo.allocator import SlotAllocator as SlotAllocator
 from kvcanary_jax.demo.allocator import SwaPool as SwaPool
 from kvcanary_jax.demo.batch import StepBatch as StepBatch
 from kvcanary_jax.demo.batch import oracle_token as oracle_token
-from kvcanary_jax.demo.batch import splitmix64 as splitmix64
 from kvcanary_jax.demo.loop import DemoSetup as DemoSetup
 from kvcanary_jax.demo.loop import DemoStats as DemoStats
 from kvcanary_jax.demo.loop import build_demo as build_demo
@@ -21,7 +20,6 @@ from kvcanary_jax.demo.model import forward as forward
 from kvcanary_jax.demo.model import init_kv_cache as init_kv_cache
 from kvcanary_jax.demo.model import init_params as init_params
 from kvcanary_jax.demo.radix import RadixCache as RadixCache
-from kvcanary_jax.demo.radix import SweepEntries as SweepEntries
 from kvcanary_jax.demo.scheduler import Request as Request
 from kvcanary_jax.demo.scheduler import Scheduler as Scheduler
 from kvcanary_jax.demo.scheduler import SchedulerConfig as SchedulerConfig
@@ -42,7 +40,6 @@ __all__ = [
     "SlotAllocator",
     "StepBatch",
     "SwaPool",
-    "SweepEntries",
     "build_demo",
     "demo_step",
     "dense_forward",
@@ -51,5 +48,4 @@ __all__ = [
     "init_params",
     "oracle_token",
     "run_demo_steps",
-    "splitmix64",
 ]

@@ -7,22 +7,13 @@ import dataclasses
 import jax
 import numpy as np
 
-_MASK64 = (1 << 64) - 1
-
-
-def splitmix64(x: int) -> int:
-    """splitmix64 finalizer on Python ints, mod 2**64 (SGLang's constants; see SPEC §1)."""
-    x &= _MASK64
-    x ^= x >> 30
-    x = (x * 0xBF58476D1CE4E5B9) & _MASK64
-    x ^= x >> 27
-    x = (x * 0x94D049BB133111EB) & _MASK64
-    return x ^ (x >> 31)
+from kvcanary_jax import hashing
+from kvcanary_jax.runner import CanaryBatch
 
 
 def oracle_token(request_id: int, position: int, vocab_size: int) -> int:
-    """The token a request emits at `position` in token-oracle mode: knowable without running the model."""
-    return splitmix64(request_id ^ position) % vocab_size
+    """The token a request emits at `position` in token-oracle mode (SGLang's HashOracle): knowable in advance."""
+    return hashing.splitmix64(request_id ^ position) % vocab_size
 
 
 @jax.tree_util.register_dataclass
@@ -64,6 +55,22 @@ class StepBatch:
     expected_input_ids: np.ndarray
     req_to_token_ids: np.ndarray
     expected_tokens_valid_lens: np.ndarray
+
+    def canary(self) -> CanaryBatch:
+        """The canary's view of this step (works on numpy and on traced fields)."""
+        return CanaryBatch(
+            req_pool_indices=self.req_pool_indices,
+            prefix_lens=self.prefix_lens,
+            extend_lens=self.extend_lens,
+            req_to_token=self.req_to_token,
+            input_ids=self.input_ids,
+            positions=self.positions,
+            out_cache_loc=self.out_cache_loc,
+            full_to_swa_index_mapping=self.full_to_swa_index_mapping,
+            expected_input_ids=self.expected_input_ids,
+            token_ids=self.req_to_token_ids,
+            token_ids_lens=self.expected_tokens_valid_lens,
+        )
 
     @property
     def num_reqs(self) -> int:

@@ -1,8 +1,10 @@
-"""Demo driver: builds model, pools and scheduler, and runs a jitted, donated, never-retraced decode loop."""
+"""Demo driver: model, pools, scheduler and canary wired into one jitted, donated, never-retraced decode loop."""
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import functools
 import time
 from collections.abc import Callable
 from typing import Any
@@ -11,29 +13,54 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kvcanary_jax import pool, runner
+from kvcanary_jax.config import CanaryConfig
 from kvcanary_jax.demo import batch as batch_lib
 from kvcanary_jax.demo import model, scheduler
+from kvcanary_jax.monitor import CanaryMonitor
 
 # SGLang-style hybrid for the SWA variant: layer 0 attends to everything, layer 1 to a sliding window.
 _SWA_WINDOW = 24
 _NUM_SWA_SLOTS = 256
+_OFF = CanaryConfig(mode="off")
+
+
+def kv_sources(canary: runner.KvCanary, layout: model.KvCacheLayout, kv_cache: model.KvCache) -> pool.KvSources:
+    """The first full layer's K/V (and the first SWA layer's) as real-KV sources, as SGLang folds layer 0."""
+    full = next(i for i in range(layout.num_layers) if i not in layout.swa_layers)
+    kw = {"full_k": kv_cache.k[full], "full_v": kv_cache.v[full] if canary.pool.with_v else None}
+    if layout.swa_layers:
+        swa = layout.swa_layers[0]
+        kw.update(swa_k=kv_cache.k[swa], swa_v=kv_cache.v[swa] if canary.pool.with_v else None)
+    return canary.kv_sources(**kw)
 
 
 def demo_step(
-    params: model.Params, kv_cache: model.KvCache, batch: batch_lib.StepBatch
-) -> tuple[jax.Array, jax.Array, model.KvCache]:
-    """The jitted step: a pure function of (params, kv_cache, batch) -> (next_tokens, logits, kv_cache).
+    canary: runner.KvCanary,
+    layout: model.KvCacheLayout,
+    params: model.Params,
+    kv_cache: model.KvCache,
+    canary_state: runner.CanaryState,
+    batch: batch_lib.StepBatch,
+) -> tuple[jax.Array, jax.Array, model.KvCache, runner.CanaryState]:
+    """The jitted step: HEAD canary launches, the model forward, TAIL launches, greedy sampling.
 
-    A canary wraps it by calling its HEAD ops before `model.forward` and its TAIL ops after, in this body.
+    Returns ``(next_tokens i32[max_batch], logits f32[max_batch, vocab], kv_cache, canary_state)``.
     """
+    view = batch.canary()
+    canary_state = canary.before_forward(canary_state, view)
     logits, kv_cache = model.forward(params, kv_cache, batch)
+    canary_state = canary.after_forward(canary_state, view, kv_sources(canary, layout, kv_cache))
     next_tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # greedy; padding rows give token 0
-    return next_tokens, logits, kv_cache
+    return next_tokens, logits, kv_cache, canary_state
+
+
+Hook = Callable[["DemoSetup", batch_lib.StepBatch], Any]
 
 
 @dataclasses.dataclass
 class DemoSetup:
-    """Everything `run_demo_steps` drives. `step_fn` is `demo_step` jitted with the KV cache donated."""
+    """Everything one demo run drives; :meth:`step` runs one scheduler + model + canary step."""
 
     model_config: model.ModelConfig
     layout: model.KvCacheLayout
@@ -41,57 +68,121 @@ class DemoSetup:
     params: model.Params
     kv_cache: model.KvCache
     scheduler: scheduler.Scheduler
-    step_fn: Callable[..., Any]
-    trace_count: list[int]  # [n]: how many times demo_step was traced
+    canary: runner.KvCanary
+    canary_state: runner.CanaryState
+    monitor: CanaryMonitor
+    step_fn: Callable[..., Any]  # demo_step, jitted, KV cache and canary state donated
+    sweep_fn: Callable[..., Any]  # KvCanary.sweep, jitted, canary state donated
+
+    @property
+    def traces(self) -> int:
+        """How many times the jitted step of this configuration was traced (shared by equal configurations)."""
+        return _TRACES[self.canary, self.layout]
+
+    def step(
+        self,
+        *,
+        before_forward: Hook | None = None,
+        after_commit: Hook | None = None,
+        on_logits: Callable[[batch_lib.StepBatch, jax.Array], None] | None = None,
+    ) -> batch_lib.StepBatch:
+        """Schedules, runs the jitted step, commits, sweeps when due and lets the monitor poll.
+
+        Args:
+          before_forward: may return a replacement batch (or None) and may replace ``self.kv_cache``.
+          after_commit: runs after the scheduler applied the step (before a sweep); may replace ``self.kv_cache``.
+          on_logits: receives the batch and its logits (a device sync).
+
+        Returns:
+          The batch the step ran.
+        """
+        batch = self.scheduler.step()
+        if before_forward is not None:
+            batch = before_forward(self, batch) or batch
+        next_tokens, logits, self.kv_cache, self.canary_state = self.step_fn(
+            self.params, self.kv_cache, self.canary_state, batch
+        )
+        if on_logits is not None:
+            on_logits(batch, logits)
+        # With the token oracle the host needs nothing from the device, so the loop never syncs.
+        self.scheduler.commit(None if self.sched_config.token_oracle else np.asarray(next_tokens))
+        if after_commit is not None:
+            after_commit(self, batch)
+        if self.monitor.sweep_due:
+            plan = self.canary.sweep_plan(self.scheduler.sweep_entries(), self.scheduler.full_to_swa_index_mapping)
+            self.canary_state = self.sweep_fn(self.canary_state, plan, self.kv_cache)
+        self.monitor.after_step(self.canary_state)
+        return batch
 
 
 def build_demo(
     seed: int = 0,
     swa: bool = False,
     *,
+    canary_config: CanaryConfig = _OFF,
+    with_v: bool = True,
     kv_dtype: Any = jnp.bfloat16,
     page_size: int = 8,
     **sched_overrides: Any,
 ) -> DemoSetup:
-    """Builds consistent model / KV layout / scheduler configs and a jitted, donated step.
+    """Builds consistent model / KV layout / scheduler / canary configs and the jitted, donated step.
 
     Args:
       seed: seeds both the weights and the scheduler's workload.
       swa: use the hybrid full + sliding-window model, the SWA pool and its full->SWA LUT.
+      canary_config: the canary's settings (off by default).
+      with_v: launch the V-half canary endpoints too (SGLang's default is K only).
       kv_dtype: KV pool dtype (bf16 by default; float32 for exact comparisons).
       page_size: slots per page of the KV pools.
       **sched_overrides: `SchedulerConfig` fields, e.g. `spec_prob=0.3, token_oracle=True`.
     """
     swa_kw = {"swa_window": _SWA_WINDOW, "num_swa_slots": _NUM_SWA_SLOTS} if swa else {}
-    sched_cfg = scheduler.SchedulerConfig(**{**swa_kw, **sched_overrides})
-    model_cfg = model.ModelConfig(
-        vocab_size=sched_cfg.vocab_size,
-        swa_window=sched_cfg.swa_window,
-        swa_layers=(1,) if swa else (),
-    )
+    sc = scheduler.SchedulerConfig(**{**swa_kw, **sched_overrides})
+    model_cfg = model.ModelConfig(vocab_size=sc.vocab_size, swa_window=sc.swa_window, swa_layers=(1,) if swa else ())
     layout = model.KvCacheLayout.for_model(
-        model_cfg,
-        num_slots=sched_cfg.num_slots,
-        page_size=page_size,
-        dtype=kv_dtype,
-        num_swa_slots=sched_cfg.num_swa_slots,
+        model_cfg, num_slots=sc.num_slots, page_size=page_size, dtype=kv_dtype, num_swa_slots=sc.num_swa_slots
     )
-    trace_count = [0]
-
-    def counted_step(params, kv_cache, batch):
-        trace_count[0] += 1  # Python side effect: runs once per trace, never per cached call
-        return demo_step(params, kv_cache, batch)
-
+    canary_pool = pool.CanaryPool(
+        num_slots=sc.num_slots,
+        page_size=page_size,
+        # Exact worst cases of this scheduler: every batch row at full context (or a full window).
+        verify_capacity=sc.max_batch * sc.max_context_len,
+        swa=pool.SwaGroup(sc.num_swa_slots, sc.swa_window, verify_capacity=sc.max_batch * sc.swa_window)
+        if swa
+        else None,
+        with_v=with_v,
+        max_reqs=sc.max_reqs,
+        max_context_len=sc.max_context_len,
+    )
+    canary = runner.KvCanary(canary_config, canary_pool)
     return DemoSetup(
         model_config=model_cfg,
         layout=layout,
-        sched_config=sched_cfg,
+        sched_config=sc,
         params=model.init_params(model_cfg, jax.random.key(seed)),
         kv_cache=model.init_kv_cache(layout),
-        scheduler=scheduler.Scheduler(sched_cfg, seed=seed),
-        step_fn=jax.jit(counted_step, donate_argnums=(1,)),
-        trace_count=trace_count,
+        scheduler=scheduler.Scheduler(sc, seed=seed),
+        canary=canary,
+        canary_state=canary.init_state(),
+        monitor=CanaryMonitor(canary),
+        step_fn=functools.partial(_jitted_step, canary, layout),
+        sweep_fn=functools.partial(_jitted_sweep, canary, layout),
     )
+
+
+# Module-level jits with (canary, layout) static: every DemoSetup of the same configuration shares one compiled step.
+_TRACES: collections.Counter = collections.Counter()
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=(3, 4))
+def _jitted_step(canary, layout, params, kv_cache, canary_state, batch):
+    _TRACES[canary, layout] += 1  # Python side effect: runs once per trace, never per cached call
+    return demo_step(canary, layout, params, kv_cache, canary_state, batch)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=(2,))
+def _jitted_sweep(canary, layout, canary_state, plan, kv_cache):
+    return canary.sweep(canary_state, plan, kv_sources(canary, layout, kv_cache))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,33 +205,28 @@ def run_demo_steps(
     on_step: Callable[[batch_lib.StepBatch, jax.Array], None] | None = None,
     **build_kwargs: Any,
 ) -> DemoStats:
-    """Runs `num_steps` scheduler + model steps and checks the step compiled exactly once.
+    """Runs `num_steps` scheduler + model + canary steps and checks the step compiled exactly once.
 
     Args:
       num_steps: steps to run.
       seed, swa, **build_kwargs: passed to `build_demo` (ignored when `setup` is given).
-      setup: an existing `DemoSetup` to drive; its `kv_cache` is replaced by the final cache.
+      setup: an existing `DemoSetup` to drive; its `kv_cache` and `canary_state` are replaced as it runs.
       on_step: called with each step's batch and logits f32[max_batch, vocab] (e.g. to compare to a reference).
 
     Raises:
       RuntimeError: if the step was traced more than once (a shape or dtype in the batch changed).
+      KvCanaryViolationError, KvCanaryHealthError: from the canary monitor.
     """
     s = setup or build_demo(seed, swa, **build_kwargs)
-    oracle = s.sched_config.token_oracle
     start = time.perf_counter()
     for _ in range(num_steps):
-        batch = s.scheduler.step()
-        next_tokens, logits, s.kv_cache = s.step_fn(s.params, s.kv_cache, batch)
-        if on_step is not None:
-            on_step(batch, logits)
-        # With the token oracle the host needs nothing from the device, so the loop never syncs.
-        s.scheduler.commit(None if oracle else np.asarray(next_tokens))
-    jax.block_until_ready(s.kv_cache)
-    if s.trace_count[0] > 1:
-        raise RuntimeError(f"demo step retraced: {s.trace_count[0]} traces in {num_steps} steps")
+        s.step(on_logits=on_step)
+    jax.block_until_ready((s.kv_cache, s.canary_state))
+    if s.traces > 1:
+        raise RuntimeError(f"demo step retraced: {s.traces} traces of one configuration")
     return DemoStats(
         steps=num_steps,
-        traces=s.trace_count[0],
+        traces=s.traces,
         reused_slots=int(np.count_nonzero(s.scheduler.slot_allocator.alloc_counts > 1)),
         wall_s=time.perf_counter() - start,
         scheduler=dict(s.scheduler.stats),

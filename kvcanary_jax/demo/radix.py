@@ -5,23 +5,12 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections.abc import Callable, Iterator, Sequence
-from typing import NamedTuple
 
 import numpy as np
 
+from kvcanary_jax import sweep
+
 _EMPTY = np.zeros(0, np.int32)
-
-
-class SweepEntries(NamedTuple):
-    """What a canary sweep verifies: one entry per cached slot, in depth-first order.
-
-    slots: i32[n]. positions: i32[n], the slot's depth in the tree (its token position). prev_slots: i32[n], the
-    previous slot on the path from the root, -1 for the first token.
-    """
-
-    slots: np.ndarray
-    positions: np.ndarray
-    prev_slots: np.ndarray
 
 
 class RadixNode:
@@ -137,23 +126,18 @@ class RadixCache:
     def evictable_size(self) -> int:
         return sum(len(n.value) for n, _ in self.nodes() if n.lock_ref == 0)
 
-    def list_slots(self, *, unlocked_only: bool = False) -> SweepEntries:
+    def list_slots(self, *, unlocked_only: bool = False) -> sweep.SweepEntries:
         """Every cached slot with its position and predecessor (SGLang's `walk_radix_cache_for_canary`).
 
         With `unlocked_only`, only slots of idle nodes (no running request holds them) are listed; their
         predecessors may still be locked slots.
         """
-        slots, positions, prevs = [], [], []
-        for node, depth in self.nodes():
-            if unlocked_only and node.lock_ref > 0:
-                continue
-            parent_last = node.parent.value[-1] if node.parent is not self.root else -1
-            slots.append(node.value)
-            positions.append(np.arange(depth, depth + len(node.value), dtype=np.int32))
-            prevs.append(np.concatenate([[parent_last], node.value[:-1]]).astype(np.int32))
-        if not slots:
-            return SweepEntries(_EMPTY, _EMPTY, _EMPTY)
-        return SweepEntries(*(np.concatenate(a).astype(np.int32) for a in (slots, positions, prevs)))
+        return sweep.walk_prefix_tree(
+            self.root,
+            children=lambda n: n.children.values(),
+            slots=lambda n: n.value,
+            include=(lambda n: n.lock_ref == 0) if unlocked_only else None,
+        )
 
     def _split(self, node: RadixNode, n: int) -> RadixNode:
         """Cuts `node` after n tokens; returns the new upper half, which inherits the locks of the path."""

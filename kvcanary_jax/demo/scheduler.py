@@ -7,6 +7,7 @@ import dataclasses
 
 import numpy as np
 
+from kvcanary_jax import sweep
 from kvcanary_jax.demo import allocator, batch, radix, workload
 
 
@@ -193,24 +194,13 @@ class Scheduler:
         for req in finished:
             self._finish(req)
 
-    def sweep_entries(self, *, unlocked_only: bool = False, swa: bool = False) -> radix.SweepEntries:
-        """Every radix-cached slot as (slot, position, prev_slot) arrays, for the canary's periodic sweep.
+    def sweep_entries(self, *, unlocked_only: bool = False) -> sweep.SweepEntries:
+        """Every radix-cached slot as (slot, position, prev_slot) arrays (full-pool slots), for the canary's sweep.
 
         Args:
           unlocked_only: list only idle slots (no running request holds their node).
-          swa: translate slot and prev_slot through the full->SWA LUT and keep only SWA-resident slots; a
-            non-resident predecessor becomes 0, which the canary reads as "unreachable".
         """
-        entries = self.radix.list_slots(unlocked_only=unlocked_only)
-        if not swa:
-            return entries
-        if self.swa_pool is None:
-            raise ValueError("sweep_entries(swa=True) needs an SWA scheduler (config.swa_window > 0)")
-        lut = self.swa_pool.lut
-        slots = lut[entries.slots]
-        prev = np.where(entries.prev_slots < 0, -1, lut[np.maximum(entries.prev_slots, 0)]).astype(np.int32)
-        keep = slots != 0
-        return radix.SweepEntries(slots[keep], entries.positions[keep], prev[keep])
+        return self.radix.list_slots(unlocked_only=unlocked_only)
 
     def _admit(self, req: Request) -> bool:
         """Matches the prompt in the radix cache, locks the match and reserves slots; False if it cannot fit."""

@@ -7,8 +7,8 @@ from collections.abc import Sequence
 import jax
 
 from pallas_kernels import backend as backends
-from pallas_kernels import realkv
-from pallas_kernels.verify import reference
+from pallas_kernels import kernel_io, realkv
+from pallas_kernels.verify import pallas_triton, reference
 
 
 def verify(
@@ -27,6 +27,11 @@ def verify(
     """Returns i32[capacity] fail bits (0 = clean) for the first ``num_active`` plan entries.
 
     Shapes: ``canary_buf`` u32[num_slots, 4, 2]; plan arrays i32[capacity]; ``num_active`` i32[].
+    Backends ``"pallas"`` and ``"interpret"`` run the fused kernel of ``pallas_triton`` (natively, or in Pallas
+    interpret mode); ``"xla"`` runs the pure-jnp reference. Both give identical bits.
+
+    Raises:
+      NotImplementedError: ``"pallas"`` off-GPU, or a Pallas backend with a KV dtype it cannot read as words.
     """
     name = backends.resolve(backend)
     kwargs = dict(
@@ -38,4 +43,15 @@ def verify(
         return reference.verify_bits(
             canary_buf, slot_indices, expected_tokens, expected_positions, prev_slot_indices, num_active, **kwargs
         )
-    raise NotImplementedError(f"backend={name!r} verify kernel is not available yet; use backend='xla'")
+    for i, src in enumerate(kwargs["real_kv_sources"]):
+        kernel_io.check_kv_dtype(src.data.dtype, f"real_kv_sources[{i}].data")
+    return pallas_triton.verify_bits(
+        canary_buf,
+        slot_indices,
+        expected_tokens,
+        expected_positions,
+        prev_slot_indices,
+        num_active,
+        **kwargs,
+        interpret=name == "interpret",
+    )

@@ -83,11 +83,16 @@ def test_demo_loop_matches_dense_every_step(swa):
 
 def test_jitted_donated_step_does_not_retrace():
     setup = demo.build_demo(1, swa=True, spec_prob=0.3, token_oracle=True)
-    step = jax.jit(chex.assert_max_traces(demo.demo_step, n=1), donate_argnums=1)
-    cache, sched = setup.kv_cache, setup.scheduler
+
+    @chex.assert_max_traces(n=1)
+    def step(params, kv_cache, canary_state, batch):
+        return demo.demo_step(setup.canary, setup.layout, params, kv_cache, canary_state, batch)
+
+    step = jax.jit(step, donate_argnums=(1, 2))
+    cache, canary_state, sched = setup.kv_cache, setup.canary_state, setup.scheduler
     for _ in range(12):  # batch contents (row counts, spec extends, chunk sizes) vary; shapes must not
         old = cache
-        _, logits, cache = step(setup.params, cache, sched.step())
+        _, logits, cache, canary_state = step(setup.params, cache, canary_state, sched.step())
         assert old.k[0].is_deleted(), "the KV cache was not donated"
         sched.commit(None)
     assert np.isfinite(np.asarray(logits)).all()

@@ -1,0 +1,343 @@
+"""Differential run on a GPU: the Pallas kernels (backend="pallas") against the xla path at realistic sizes.
+
+Usage: python benchmarks/gpu_validate.py [--out DIR]
+
+Replays the generators of ``tests/pallas_kernels/kernel_cases.py`` at GPU sizes (>= 1M verify entries, paged
+bf16/fp8/int KV pools with arbitrary bit patterns, noisy decode and prefill writes with duplicate slots), compares
+with ``chex.assert_trees_all_equal``, checks the compiled HLO for copies of the canary buffer or the KV pool, and
+prints one line per case plus a summary. Writes ``validate.txt`` under ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import sys
+import time
+import traceback
+import warnings
+from pathlib import Path
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "pallas_kernels"))
+import kernel_cases as cases  # noqa: E402
+
+import kvcanary_jax as kc  # noqa: E402
+from pallas_kernels import compat, realkv  # noqa: E402
+from pallas_kernels.verify import api as verify_api  # noqa: E402
+from pallas_kernels.verify import pallas_triton as verify_triton  # noqa: E402
+from pallas_kernels.write import api as write_api  # noqa: E402
+
+warnings.filterwarnings("ignore", message="The Pallas Triton backend is deprecated")
+BACKEND = "pallas" if jax.default_backend() == "gpu" else "interpret"
+BF16_P16 = cases.SourceSpec("bfloat16", 16, 256, 256)
+FP8_P1 = cases.SourceSpec("float8_e4m3fn", 1, 64, 48, row_padding=16)
+FOUR = (
+    cases.SourceSpec("float32", 4, 32, 32),
+    cases.SourceSpec("int8", 1, 48, 32),
+    cases.SourceSpec("uint8", 16, 16, 16),
+    cases.SourceSpec("bfloat16", 1, 64, 64, row_padding=32),
+)
+_START = time.perf_counter()
+LOG: list[str] = []
+
+
+def log(line: str) -> None:
+    line = f"[{time.perf_counter() - _START:6.1f}s] {line}"
+    print(line, flush=True)
+    LOG.append(line)
+
+
+@functools.partial(jax.jit, static_argnames=("mode", "check", "backend", "config"))
+def _verify(buf, plan, num_active, sources, *, mode, check, backend, config=None):
+    if config is not None:
+        return verify_triton.verify_bits(
+            buf,
+            *plan,
+            num_active,
+            real_kv_sources=sources,
+            real_kv_hash_mode=mode,
+            check_expected_token=check,
+            interpret=backend == "interpret",
+            config=config,
+        )
+    return verify_api.verify(
+        buf,
+        *plan,
+        num_active,
+        real_kv_sources=sources,
+        real_kv_hash_mode=mode,
+        check_expected_token=check,
+        backend=backend,
+    )
+
+
+@functools.partial(jax.jit, static_argnames=("mode", "backend"))
+def _write(buf, inputs, flag, sources, *, mode, backend):
+    return write_api.write(buf, *inputs, flag, real_kv_sources=sources, real_kv_hash_mode=mode, backend=backend)
+
+
+RESULTS = {"pass": 0, "fail": 0}
+
+
+def case(name: str, fn) -> None:
+    start = time.perf_counter()
+    try:
+        detail = fn()
+        RESULTS["pass"] += 1
+        log(f"PASS {name} ({time.perf_counter() - start:.1f}s) {detail or ''}")
+    except Exception as e:  # one failing case must not hide the others
+        RESULTS["fail"] += 1
+        log(f"FAIL {name}: {type(e).__name__}: {str(e)[:1500]}")
+        traceback.print_exc()
+
+
+def verify_case(seed, specs, mode, check, *, num_slots, num_reqs, max_len, actives=(None,), config=None):
+    def run():
+        rng = np.random.default_rng(seed)
+        sources = cases.make_sources(rng, num_slots, specs)
+        buf, sources, plan, n = cases.verify_inputs(
+            rng, num_slots=num_slots, num_reqs=num_reqs, max_len=max_len, sources=sources, mode=mode
+        )
+        seen = 0
+        for active in actives:
+            active = n if active is None else jnp.int32(active)
+            want = _verify(buf, plan, active, sources, mode=mode, check=check, backend="xla")
+            got = _verify(buf, plan, active, sources, mode=mode, check=check, backend=BACKEND, config=config)
+            chex.assert_trees_all_equal(got, want)
+            seen |= int(np.bitwise_or.reduce(np.asarray(want)))
+        return f"entries={int(n)} capacity={plan[0].shape[0]} bits seen={seen:#x}"
+
+    return run
+
+
+def write_case(seeds, specs, mode, *, num_slots, num_reqs, max_len):
+    def run():
+        written = dup = 0
+        for seed in seeds:
+            rng = np.random.default_rng(seed)
+            inputs = cases.write_inputs(rng, num_slots=num_slots, num_reqs=num_reqs, max_len=max_len)
+            buf = cases.random_buffer(rng, num_slots)
+            sources = cases.make_sources(rng, num_slots, specs)
+            for flag in (1, 0):
+                flag = jnp.full((1,), flag, jnp.int32)
+                want = _write(buf, inputs, flag, sources, mode=mode, backend="xla")
+                got = _write(buf, inputs, flag, sources, mode=mode, backend=BACKEND)
+                chex.assert_trees_all_equal(got, want)
+            loc = np.asarray(inputs[5])[np.asarray(want[1].written)]
+            written += loc.size
+            dup += loc.size - np.unique(loc).size
+        return f"tokens={inputs[5].shape[0]} x {len(seeds)} seeds, written={written}, duplicate writes={dup}"
+
+    return run
+
+
+def clean_law(num_reqs: int, max_len: int, num_slots: int):
+    """Pallas write of fresh chains == xla write, and the Pallas verify of them is silent."""
+
+    def run():
+        rng = np.random.default_rng(11)
+        offsets, seeds, num_valid, ids, positions, loc = cases.write_inputs(
+            rng, num_slots=num_slots, num_reqs=num_reqs, max_len=max_len, extra_tokens=0, clean=True
+        )
+        sources = cases.make_sources(rng, num_slots, (BF16_P16,))
+        zeros = jnp.zeros((num_slots, 4, 2), jnp.uint32)
+        inputs = (offsets, seeds, num_valid, ids, positions, loc)
+        flag = jnp.ones((1,), jnp.int32)
+        want = _write(zeros, inputs, flag, sources, mode=2, backend="xla")
+        got = _write(zeros, inputs, flag, sources, mode=2, backend=BACKEND)
+        chex.assert_trees_all_equal(got, want)
+        n = int(offsets[-1])
+        o, lc = np.asarray(offsets), np.asarray(loc)[:n]
+        prev = np.where(np.isin(np.arange(n), o), -1, np.roll(lc, 1)).astype(np.int32)
+        plan = (loc[:n], ids[:n], positions[:n], jnp.asarray(prev))
+        bits = _verify(got[0], plan, jnp.int32(n), sources, mode=2, check=True, backend=BACKEND)
+        chex.assert_trees_all_equal(bits, jnp.zeros((n,), jnp.int32))
+        return f"{n} tokens written and verified clean"
+
+    return run
+
+
+def canary_ops(num_slots: int, num_reqs: int, max_len: int, write_reqs: int):
+    """kvcanary_jax level: whole states (ring rows, index, counters) and buffers identical across backends."""
+
+    def run():
+        rng = np.random.default_rng(12)
+        sources = cases.make_sources(rng, num_slots, (BF16_P16, FP8_P1))
+        buf, sources, plan, n = cases.verify_inputs(
+            rng, num_slots=num_slots, num_reqs=num_reqs, max_len=max_len, sources=sources, mode=2
+        )
+        vplan = kc.VerifyPlan(*plan, num_valid=jnp.asarray([n], jnp.int32), enable=jnp.ones((1,), jnp.int32))
+        offsets, seeds, num_valid, ids, positions, loc = cases.write_inputs(
+            rng, num_slots=num_slots, num_reqs=write_reqs, max_len=1
+        )
+        wplan = kc.WritePlan(write_offsets=offsets, seed_slot_indices=seeds, num_valid_reqs=num_valid)
+        expected_ids = jnp.where(jnp.asarray(rng.random(ids.shape[0]) < 0.1), ids + 1, ids)
+
+        @functools.partial(jax.jit, static_argnames="backend")
+        def step(state, buf, vplan, wplan, tokens, sources, *, backend):
+            # Everything is an argument: arrays closed over would be baked into the executable as constants.
+            ids, positions, loc, expected_ids = tokens
+            tag = kc.CanaryLaunchTag.TAIL_K_FULL
+            state = kc.canary_verify(
+                state,
+                buf,
+                vplan,
+                tag=tag,
+                real_kv_sources=sources,
+                real_kv_hash_mode=2,
+                check_expected_token=True,
+                backend=backend,
+            )
+            return kc.canary_write(
+                state,
+                buf,
+                wplan,
+                ids,
+                positions,
+                loc,
+                tag=tag,
+                real_kv_sources=sources,
+                real_kv_hash_mode=2,
+                expected_input_tokens=expected_ids,
+                expected_input_positions=positions,
+                backend=backend,
+            )
+
+        config = kc.CanaryConfig(ring_capacity=1024, enable_verify_token_assert=True)
+        state = kc.CanaryDeviceState.allocate(config=config, req_to_token_alloc_size=2, max_context_len=4)
+        operands = (state, buf, vplan, wplan, (ids, positions, loc, expected_ids), sources)
+        got, want = step(*operands, backend=BACKEND), step(*operands, backend="xla")
+        chex.assert_trees_all_equal(got, want)
+        index = int(want[1].violation_log.violation_write_index[0])
+        return f"verify entries={int(n)}, write tokens={ids.shape[0]}, ring index={index}"
+
+    return run
+
+
+def x64_case():
+    def run():
+        with jax.enable_x64(True):
+            rng = np.random.default_rng(13)
+            data = jnp.asarray(rng.integers(-(2**62), 2**62, (4096, 4)), jnp.int64)
+            sources = (realkv.RealKvSource(data),)
+            buf, sources, plan, n = cases.verify_inputs(
+                rng, num_slots=4096, num_reqs=8, max_len=256, sources=sources, mode=2
+            )
+            chex.assert_trees_all_equal(
+                _verify(buf, plan, n, sources, mode=2, check=True, backend=BACKEND),
+                _verify(buf, plan, n, sources, mode=2, check=True, backend="xla"),
+            )
+            inputs = cases.write_inputs(rng, num_slots=4096, num_reqs=16, max_len=64)
+            flag = jnp.ones((1,), jnp.int32)
+            chex.assert_trees_all_equal(
+                _write(buf, inputs, flag, sources, mode=2, backend=BACKEND),
+                _write(buf, inputs, flag, sources, mode=2, backend="xla"),
+            )
+        return "int64 source under x64"
+
+    return run
+
+
+def hlo_checks():
+    """No copy of the canary buffer (donated) and no copy of the KV pool in the compiled Pallas ops."""
+
+    def run():
+        num_slots = 1 << 20
+        rng = np.random.default_rng(14)
+        sources = cases.make_sources(rng, num_slots, (BF16_P16,))
+        pool_bytes = sources[0].data.size * 2
+        buf = cases.random_buffer(rng, num_slots)
+        plan = tuple(jnp.asarray(rng.integers(0, num_slots, num_slots), jnp.int32) for _ in range(4))
+        verify = jax.jit(
+            lambda b, p, s: verify_api.verify(
+                b, *p, jnp.int32(num_slots), real_kv_sources=s, real_kv_hash_mode=2, backend=BACKEND
+            )
+        )
+        compiled = verify.lower(buf, plan, sources).compile()
+        temp = compiled.memory_analysis().temp_size_in_bytes
+        assert temp < pool_bytes // 4, f"verify temp buffers {temp} B: the {pool_bytes} B KV pool was copied"
+        inputs = cases.write_inputs(rng, num_slots=num_slots, num_reqs=256, max_len=1)
+        write = jax.jit(
+            lambda b, i, s: write_api.write(
+                b, *i, jnp.ones((1,), jnp.int32), real_kv_sources=s, real_kv_hash_mode=2, backend=BACKEND
+            ),
+            donate_argnums=0,
+        )
+        text = write.lower(buf, inputs, sources).compile().as_text()
+        copies = [line.strip()[:160] for line in text.splitlines() if " copy(" in line or "copy-start" in line]
+        buf_copies = [c for c in copies if f"u32[{num_slots},4,2]" in c or f"u32[{num_slots},8]" in c]
+        assert not buf_copies, f"the donated canary buffer is copied: {buf_copies}"
+        triton_calls = text.count(compat.TRITON_CUSTOM_CALL_TARGET) + text.count("triton")
+        return f"verify temp={temp} B (pool {pool_bytes} B); write copies={copies}; triton mentions={triton_calls}"
+
+    return run
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--out", type=Path, default=Path("."))
+    parser.add_argument("--quick", action="store_true", help="CPU smoke run: tiny sizes")
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    log(f"device={jax.devices()[0].device_kind} jax={jax.__version__} backend={BACKEND}")
+    big = dict(num_slots=(1 << 20) + 64, num_reqs=1024, max_len=1024)
+    mid = dict(num_slots=300_000, num_reqs=256, max_len=1024)
+    if args.quick:
+        big = mid = dict(num_slots=3000, num_reqs=8, max_len=64)
+    case("verify 1M ALL bf16/p16 token-check", verify_case(1, (BF16_P16,), 2, True, **big))
+    case(
+        "verify 1M PARTIAL bf16/p16+fp8/p1, num_active ragged",
+        verify_case(2, (BF16_P16, FP8_P1), 1, False, **big, actives=(None, 1000003 if not args.quick else 97)),
+    )
+    case("verify 256K NONE token-check", verify_case(3, (), 0, True, **mid))
+    case(
+        "verify 4 sources ALL, block=128, num_active 0/1/all",
+        verify_case(
+            4,
+            FOUR,
+            2,
+            True,
+            num_slots=20000,
+            num_reqs=16,
+            max_len=1000,
+            actives=(0, 1, None),
+            config=verify_triton.Config(block=128, num_warps=4),
+        ),
+    )
+    case(
+        "write decode bs=256 ALL bf16/p16",
+        write_case(range(5), (BF16_P16,), 2, num_slots=5000, num_reqs=256, max_len=1),
+    )
+    case(
+        "write decode bs=64 PARTIAL 4 sources", write_case(range(5, 8), FOUR, 1, num_slots=400, num_reqs=64, max_len=1)
+    )
+    case("write 4x1000 NONE (pairwise)", write_case(range(8, 10), (), 0, num_slots=5000, num_reqs=4, max_len=1000))
+    case(
+        "write 32x512 PARTIAL bf16+fp8 (sort)",
+        write_case(range(10, 12), (BF16_P16, FP8_P1), 1, num_slots=40000, num_reqs=32, max_len=512),
+    )
+    case(
+        "clean write then verify, 256x1024 ALL",
+        clean_law(256, 1024, 300_000) if not args.quick else clean_law(8, 64, 3000),
+    )
+    case(
+        "canary_verify + canary_write states",
+        canary_ops(num_slots=70_000, num_reqs=64, max_len=1024, write_reqs=256)
+        if not args.quick
+        else canary_ops(num_slots=3000, num_reqs=8, max_len=64, write_reqs=16),
+    )
+    case("x64 int64 sources", x64_case())
+    if not args.quick:
+        case("hlo: no buffer / KV-pool copies", hlo_checks())
+    total = RESULTS["pass"] + RESULTS["fail"]
+    log(f"SUMMARY {total} cases: {RESULTS['pass']} passed, {RESULTS['fail']} failed")
+    (args.out / "validate.txt").write_text("\n".join(LOG) + "\n")
+
+
+if __name__ == "__main__":
+    main()

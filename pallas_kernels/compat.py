@@ -1,0 +1,53 @@
+"""Pallas Triton across jax 0.10.2 - 0.12: one ``pallas_call`` wrapper that pins the Triton lowering everywhere."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from jax import export
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
+
+# The custom-call target of a Pallas Triton kernel; jax >= 0.11 exports the name, 0.10.2 hard-codes it.
+TRITON_CUSTOM_CALL_TARGET: str = getattr(plt, "CUSTOM_CALL_TARGET_NAME", "__gpu$xla.gpu.triton")
+
+
+def next_power_of_2(n: int) -> int:
+    """Smallest power of two >= ``n`` (and >= 1): Triton tensors must have power-of-2 sizes (pallas_notes §1)."""
+    return 1 << max(int(n) - 1, 0).bit_length()
+
+
+def triton_call(
+    kernel: Callable[..., None],
+    *,
+    out_shape: Any,
+    grid: tuple[int, ...],
+    name: str,
+    num_warps: int,
+    num_stages: int,
+    interpret: bool,
+    input_output_aliases: Mapping[int, int] | None = None,
+) -> Callable[..., Any]:
+    """``pl.pallas_call`` with whole-array refs, explicit Triton compiler params and a findable kernel name.
+
+    A bare ``pallas_call`` lowers through Mosaic GPU on jax 0.10.2 but through Triton on 0.11+; passing
+    ``plt.CompilerParams`` selects Triton on every version (pallas_notes §9, pitfall 1). ``interpret=True``
+    ignores the params and runs the same kernel body anywhere (CPU tests). No ``BlockSpec`` is given: every ref is
+    the whole array (a plain pointer in Triton, no copy) and kernels index it themselves with masks, because
+    jax <= 0.11 adds no bounds masks for ragged blocks (pallas_notes §6).
+    """
+    return pl.pallas_call(
+        kernel,
+        out_shape=out_shape,
+        grid=grid,
+        input_output_aliases=dict(input_output_aliases or {}),
+        compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+        name=name,
+    )
+
+
+def export_disabled_checks() -> list[export.DisabledSafetyCheck]:
+    """Safety checks to disable so ``jax.export(..., platforms=["cuda"])`` accepts Triton custom calls."""
+    return [export.DisabledSafetyCheck.custom_call(TRITON_CUSTOM_CALL_TARGET)]

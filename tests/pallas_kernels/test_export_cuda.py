@@ -1,0 +1,158 @@
+"""Cross-lowers the jitted pallas-backend ops for CUDA on any host, catching Triton lowering errors without a GPU.
+
+Interpret mode does not check what only the Triton lowering rejects: non-power-of-2 tensors, ``reduce_or``,
+uint64 constants >= 2^63, multiple indexers (pallas_notes §5). ``jax.export(..., platforms=["cuda"])`` runs that
+lowering on CPU. It does not compile PTX; the GPU run (``benchmarks/gpu_validate.py``) covers the rest.
+"""
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax import export
+
+import kvcanary_jax as kc
+from pallas_kernels import compat, realkv
+from pallas_kernels.verify import api as verify_api
+from pallas_kernels.write import api as write_api
+from pallas_kernels.write import pallas_triton as write_triton
+
+S = jax.ShapeDtypeStruct
+NUM_SLOTS, CAPACITY, TOKENS, REQS = 1000, 777, 300, 9  # ragged: none is a multiple of a block
+
+
+@pytest.fixture(autouse=True)
+def _pretend_gpu(monkeypatch):
+    """``backend="pallas"`` resolves only on a GPU; exporting for CUDA is exactly that case."""
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+
+
+def _export(fn, *args) -> str:
+    exported = export.export(fn, platforms=["cuda"], disabled_checks=compat.export_disabled_checks())(*args)
+    return exported.mlir_module()
+
+
+def _sources(*dtypes):
+    """Shape-only sources of the given dtypes: page sizes 1, 4, 16, 1; 64 bytes per token, read 48."""
+    sources = []
+    for dtype, page in zip(dtypes, (1, 4, 16, 1), strict=False):
+        pages = -(-NUM_SLOTS // page)
+        data = S((pages, page, 64 // jnp.dtype(dtype).itemsize), dtype)
+        sources.append(realkv.RealKvSource(data, page_size=page, num_bytes_per_token=64, read_bytes=48))
+    return tuple(sources)
+
+
+def _verify_args(sources):
+    return (S((NUM_SLOTS, 4, 2), jnp.uint32), *([S((CAPACITY,), jnp.int32)] * 4), S((), jnp.int32), sources)
+
+
+def _write_args(sources, tokens=TOKENS):
+    i32 = lambda n: S((n,), jnp.int32)  # noqa: E731
+    return (
+        S((NUM_SLOTS, 4, 2), jnp.uint32),
+        i32(REQS + 1),
+        i32(REQS),
+        i32(1),
+        i32(tokens),
+        i32(tokens),
+        i32(tokens),
+        i32(1),
+        sources,
+    )
+
+
+@pytest.mark.parametrize(
+    "dtypes,mode,check",
+    [
+        ((), 0, False),
+        ((jnp.bfloat16,), 1, True),
+        ((jnp.float32, jnp.int8, jnp.uint8, jnp.float8_e4m3fn), 2, True),
+    ],
+)
+def test_verify_lowers(dtypes, mode, check):
+    def fn(buf, slots, tokens, positions, prevs, num_active, sources):
+        return verify_api.verify(
+            buf,
+            slots,
+            tokens,
+            positions,
+            prevs,
+            num_active,
+            real_kv_sources=sources,
+            real_kv_hash_mode=mode,
+            check_expected_token=check,
+            backend="pallas",
+        )
+
+    text = _export(jax.jit(fn), *_verify_args(_sources(*dtypes)))
+    assert "kvcanary_verify_block" in text and compat.TRITON_CUSTOM_CALL_TARGET in text
+
+
+@pytest.mark.parametrize("tokens", [TOKENS, write_triton.PAIRWISE_MAX_TOKENS + 1], ids=["pairwise", "sort"])
+def test_write_lowers(tokens):
+    def fn(buf, offsets, seeds, num_valid, ids, positions, loc, flag, sources):
+        return write_api.write(
+            buf,
+            offsets,
+            seeds,
+            num_valid,
+            ids,
+            positions,
+            loc,
+            flag,
+            real_kv_sources=sources,
+            real_kv_hash_mode=2,
+            backend="pallas",
+        )
+
+    text = _export(jax.jit(fn, donate_argnums=0), *_write_args(_sources(jnp.bfloat16, jnp.float8_e4m3fn), tokens))
+    dedupe = "pairwise" if tokens <= write_triton.PAIRWISE_MAX_TOKENS else "sort"
+    assert "kvcanary_write_chain" in text and f"kvcanary_write_store_block=128_{dedupe}" in text
+
+
+def test_eight_byte_sources_lower_under_x64():
+    with jax.enable_x64(True):
+        sources = _sources(jnp.int64, jnp.float64)
+        fn = lambda *a: verify_api.verify(*a[:-1], real_kv_sources=a[-1], real_kv_hash_mode=2, backend="pallas")  # noqa: E731
+        assert "kvcanary_verify_block" in _export(jax.jit(fn), *_verify_args(sources))
+        wfn = lambda *a: write_api.write(*a[:-1], real_kv_sources=a[-1], real_kv_hash_mode=2, backend="pallas")  # noqa: E731
+        assert "kvcanary_write_chain" in _export(jax.jit(wfn), *_write_args(sources))
+
+
+def test_canary_ops_lower():
+    """The whole upper-layer ops (plans' arrays, ring append, counters) around the kernels."""
+    config = kc.CanaryConfig(ring_capacity=64, enable_verify_token_assert=True)
+    state = kc.CanaryDeviceState.allocate(config=config, req_to_token_alloc_size=4, max_context_len=16)
+    state = jax.tree.map(lambda x: S(x.shape, x.dtype), state)
+    sources = _sources(jnp.bfloat16, jnp.uint8)
+    i32 = lambda *shape: S(shape, jnp.int32)  # noqa: E731
+    vplan = kc.VerifyPlan(*([i32(CAPACITY)] * 4), num_valid=i32(1), enable=i32(1))
+    wplan = kc.WritePlan(write_offsets=i32(REQS + 1), seed_slot_indices=i32(REQS), num_valid_reqs=i32(1))
+    buf = S((NUM_SLOTS, 4, 2), jnp.uint32)
+
+    def step(state, buf, vplan, wplan, ids, positions, loc, sources):
+        tag = kc.CanaryLaunchTag.TAIL_K_FULL
+        state = kc.canary_verify(
+            state,
+            buf,
+            vplan,
+            tag=tag,
+            real_kv_sources=sources,
+            real_kv_hash_mode="all",
+            check_expected_token=True,
+            backend="pallas",
+        )
+        return kc.canary_write(
+            state,
+            buf,
+            wplan,
+            ids,
+            positions,
+            loc,
+            tag=tag,
+            real_kv_sources=sources,
+            real_kv_hash_mode="all",
+            backend="pallas",
+        )
+
+    text = _export(jax.jit(step, donate_argnums=(0, 1)), state, buf, vplan, wplan, *([i32(TOKENS)] * 3), sources)
+    assert text.count(compat.TRITON_CUSTOM_CALL_TARGET) == 3  # verify, write chain, write store
