@@ -15,8 +15,19 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--json", action="store_true", help="print the results as JSON instead of a table")
     demo.add_argument("--seed", type=int, default=0, help="seeds the weights, the workload and the fault targets")
     demo.add_argument("--clean-steps", type=int, default=300, help="steps of the clean (no fault) run")
+    demo.add_argument(
+        "--devices", type=int, default=None, metavar="N",
+        help="run sharded over N devices, a (dp, tp) mesh (on CPU: N fake devices); faults hit one device",
+    )  # fmt: skip
     commands.add_parser("example", help="write, verify and tamper one request's chain, printing the report")
     args = parser.parse_args(argv)
+    if args.command == "demo" and args.devices is not None:
+        from kvcanary_jax.demo import sharded
+
+        sharded.use_fake_cpu_devices(args.devices)  # before anything initialises jax
+        return sharded.run_sharded_demo(
+            devices=args.devices, seed=args.seed, clean_steps=args.clean_steps, as_json=args.json
+        )
     if args.command == "demo":
         from kvcanary_jax.demo import cli  # imports the demo model only when asked for
 

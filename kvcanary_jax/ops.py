@@ -40,7 +40,10 @@ def _validate_common(state, canary_buf, tag, real_kv_sources, real_kv_hash_mode,
     if not isinstance(state, CanaryDeviceState):
         raise TypeError(f"state must be a CanaryDeviceState; got {type(state).__name__}")
     num_slots = validation.canary_buffer(canary_buf)
-    tag = validation.static_int("tag", int(tag) if isinstance(tag, int) else tag, maximum=state.num_tags)
+    # int(): a CanaryLaunchTag becomes a plain int; a bool is left as is, so static_int rejects it.
+    tag = validation.static_int(
+        "tag", int(tag) if type(tag) is not bool and isinstance(tag, int) else tag, maximum=state.num_tags
+    )
     if not isinstance(real_kv_sources, (tuple, list)):
         raise TypeError(f"real_kv_sources must be a tuple of RealKvSource; got {type(real_kv_sources).__name__}")
     realkv.validate_sources(real_kv_sources, num_slots=num_slots)

@@ -64,8 +64,27 @@ class RealKvSource:
         return int(self.data.shape[0]) * self.page_size
 
 
-jax.tree_util.register_dataclass(
-    RealKvSource, data_fields=["data"], meta_fields=["page_size", "num_bytes_per_token", "read_bytes"]
+_META_FIELDS = ("page_size", "num_bytes_per_token", "read_bytes")
+
+
+def _flatten_with_keys(source: RealKvSource):
+    return ((jax.tree_util.GetAttrKey("data"), source.data),), tuple(getattr(source, f) for f in _META_FIELDS)
+
+
+def _unflatten(meta, children) -> RealKvSource:
+    # Bypasses __post_init__: the static fields were checked when the source was built, and jax unflattens with
+    # leaves that are not arrays (jax.tree.map(lambda x: x.shape, ...), None, object() placeholders), which the
+    # constructor's checks would reject.
+    source = object.__new__(RealKvSource)
+    for name, value in zip(_META_FIELDS, meta, strict=True):
+        object.__setattr__(source, name, value)
+    (data,) = children
+    object.__setattr__(source, "data", data)
+    return source
+
+
+jax.tree_util.register_pytree_with_keys(
+    RealKvSource, _flatten_with_keys, _unflatten, flatten_func=lambda s: ((s.data,), _flatten_with_keys(s)[1])
 )
 
 

@@ -349,10 +349,10 @@ def run_sharded_demo(
 
     On CPU, call :func:`use_fake_cpu_devices` first (before jax initialises).
     """
-    if len(jax.devices()) < devices:
+    if not isinstance(devices, int) or not 1 <= devices <= len(jax.devices()):
         raise ValueError(
-            f"--devices {devices} needs {devices} devices, but jax has {len(jax.devices())} "
-            f"({jax.devices()[0].platform}); on CPU the fake device count must be set before jax initialises"
+            f"--devices must be between 1 and the {len(jax.devices())} {jax.devices()[0].platform} device(s) jax "
+            f"has; got {devices=}. On CPU, use_fake_cpu_devices(N) makes N devices if it runs before jax initialises."
         )
     started = time.perf_counter()
     lay = mesh_layout(devices)
@@ -382,5 +382,13 @@ def run_sharded_demo(
 
 
 def use_fake_cpu_devices(devices: int) -> None:
-    """Asks jax for ``devices`` CPU devices; must run before jax initialises its backends."""
-    jax.config.update("jax_num_cpu_devices", devices)
+    """Asks jax for ``devices`` CPU devices; a no-op if jax already runs with that many devices.
+
+    Raises:
+      RuntimeError: jax's own, if it initialised with fewer devices first.
+    """
+    try:
+        jax.config.update("jax_num_cpu_devices", devices)
+    except RuntimeError:
+        if len(jax.devices()) < devices:
+            raise

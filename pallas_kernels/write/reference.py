@@ -59,6 +59,7 @@ def position_assert(prev_position: hash64.U64, position: jax.Array, live: jax.Ar
     return expected, live & check & hash64.ne(hash64.from_i32(position), expected)
 
 
+@jax.jit  # one compiled walk per shape, also for eager (un-jitted) callers: the loop body is a fresh closure
 def write_chain(
     canary_buf: jax.Array,
     write_offsets: jax.Array,

@@ -216,6 +216,7 @@ def test_token_check_needs_the_expected_token_pool():
         (-1, ValueError, r"tag must be in \[0, 12\); got tag=-1"),
         ("HEAD_K_FULL", TypeError, r"tag must be a static Python int; got tag='HEAD_K_FULL'"),
         (1.0, TypeError, r"tag must be a static Python int; got tag=1.0"),
+        (True, TypeError, r"tag must be a static Python int; got tag=True"),
     ],
 )
 def test_bad_tag(tag, error, pattern):

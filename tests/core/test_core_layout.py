@@ -107,3 +107,18 @@ def test_constants_are_sglangs():
     assert [(m.name, int(m)) for m in kc.RealKvHashMode] == [("NONE", 0), ("PARTIAL", 1), ("ALL", 2)]
     assert (int(kc.PoolKind.FULL), int(kc.PoolKind.SWA)) == (0, 1)
     assert kc.constants.CANARY_FIELD_PREV_HASH == 2 and kc.constants.VIOLATION_FIELD_EXPECTED_AUX == 6
+
+
+def test_real_kv_source_is_a_pytree_with_static_metadata():
+    source = kc.RealKvSource(jnp.zeros((8, 64), jnp.bfloat16), page_size=4, num_bytes_per_token=32, read_bytes=16)
+    (path, leaf), *rest = jax.tree_util.tree_flatten_with_path(source)[0]
+    assert rest == [] and leaf is source.data and jax.tree_util.keystr(path) == ".data"
+    # Mapping to non-array leaves (shapes, None) must not re-run the constructor's checks.
+    shapes = jax.tree.map(lambda x: x.shape, source)
+    assert (shapes.data, shapes.page_size, shapes.num_bytes_per_token, shapes.read_bytes) == ((8, 64), 4, 32, 16)
+    assert jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(source), [None]).data is None
+    other = kc.RealKvSource(jnp.ones((8, 64), jnp.bfloat16), page_size=4, num_bytes_per_token=32, read_bytes=16)
+    assert jax.tree_util.tree_structure(other) == jax.tree_util.tree_structure(source)
+    assert jax.tree_util.tree_structure(kc.RealKvSource(source.data)) != jax.tree_util.tree_structure(source)
+    total = jax.jit(lambda s: s.data.astype(jnp.float32).sum() + s.read_bytes)(other)
+    assert float(total) == 8 * 64 + 16

@@ -200,7 +200,7 @@ def test_random_buffers_and_plans_match_the_oracle():
     """Differential test: random (partly corrupted) records and random plans, rows compared field by field."""
     rng = np.random.default_rng(2024)
     recs = _chain_records()
-    state = new_state()
+    bits_seen, lengths = 0, []
     for trial in range(12):
         noisy = [list(r) for r in recs]
         for slot in rng.choice(NUM_SLOTS, size=4, replace=False):
@@ -211,7 +211,7 @@ def test_random_buffers_and_plans_match_the_oracle():
         chain = rng.integers(0, len(SLOTS), size=n)
         slots = [SLOTS[c] if rng.random() < 0.5 else s for c, s in zip(chain, slots, strict=True)]
         positions = [int(c) if rng.random() < 0.9 else int(rng.integers(-5, 5)) for c in chain]
-        prevs = rng.choice([-1, 0] + SLOTS, size=n).tolist()
+        prevs = [PREVS[c] if rng.random() < 0.7 else int(rng.choice([-1, 0] + SLOTS)) for c in chain]
         tokens = [TOKENS[c] if rng.random() < 0.8 else int(rng.integers(-2, 3)) for c in chain]
         check = bool(trial % 2)
         plan = verify_plan(slots, positions, prevs, tokens)
@@ -222,7 +222,11 @@ def test_random_buffers_and_plans_match_the_oracle():
         assert ring_rows(got) == want[:RING], trial
         assert write_index(got) == len(want)
         assert counters(got)[1][TAG_TAIL] == counted
-    assert write_index(state) == 0
+        for row in want:
+            bits_seen |= row[7]
+        lengths.append(len(want))
+    assert bits_seen == CHAIN | POSITION | REAL_KV | TOKEN  # every bit was exercised
+    assert min(lengths) < RING < max(lengths)  # trials below and beyond the ring's capacity
 
 
 @pytest.mark.parametrize("mode", [kc.RealKvHashMode.PARTIAL, kc.RealKvHashMode.ALL], ids=["partial", "all"])

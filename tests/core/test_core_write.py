@@ -171,6 +171,7 @@ def test_random_writes_match_the_oracle():
     """Differential test: random requests (skips, jumps, token/position mismatches) vs. SGLang's write reference."""
     rng = np.random.default_rng(11)
     base = _prefix_records()
+    seen = set()
     for trial in range(10):
         requests, expected, free = [], [], list(rng.permutation(np.arange(13, NUM_SLOTS)))
         budget = NUM_TOKENS
@@ -193,6 +194,9 @@ def test_random_writes_match_the_oracle():
         assert rows == want_rows[:RING], trial
         assert write_index(state) == len(want_rows)
         assert counters(state)[1][TAG_HEAD] == written
+        seen |= {(r[7], r[3] == r[4]) for r in want_rows}
+    # Input-assert rows of each kind, and chain-position rows (expected_token == actual token), were exercised.
+    assert {(WRITE_TOKEN, False), (WRITE_POSITION, True), (WRITE_TOKEN | WRITE_POSITION, False)} <= seen
 
 
 # Real-KV covering set: 1-4 sources; dtypes bf16, float8_e4m3fn, int8, float32, uint8; page sizes 1/4/16; both modes;

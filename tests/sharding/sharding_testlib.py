@@ -205,32 +205,35 @@ class Run:
 BAD_KV = 200  # outside the 0..126 range new_kv_rows writes
 
 
-def kv_index(lay: sharding.MeshLayout, coords: sharding.Coords, slot: int) -> tuple[int, ...]:
-    """Index of the first K element of ``slot`` in device ``coords``'s head, in the global KV array."""
+def shard_of(lay: sharding.MeshLayout, coords: sharding.Coords) -> tuple[tuple[int, ...], int]:
+    """(index of the device's data shard in the leading data axes, its TP index) for mesh coordinates."""
     tp = coords[lay.axis_names.index(lay.tp_axis)] if lay.tp_axis else 0
     data = np.unravel_index(data_index(lay, coords), data_shape(lay)) if lay.data_axes else ()
-    return (*map(int, data), slot // PAGE, slot % PAGE, tp, 0)
+    return tuple(map(int, data)), tp
+
+
+def kv_index(lay: sharding.MeshLayout, coords: sharding.Coords, slot: int) -> tuple[int, ...]:
+    """Index of the first K element of ``slot`` in device ``coords``'s head, in the global KV array."""
+    data, tp = shard_of(lay, coords)
+    return (*data, slot // PAGE, slot % PAGE, tp, 0)
 
 
 def device_kv(lay: sharding.MeshLayout, kv: jax.Array, coords: sharding.Coords) -> np.ndarray:
     """Host copy of the KV pool device ``coords`` holds: its data shard's pool, its head."""
-    tp = coords[lay.axis_names.index(lay.tp_axis)] if lay.tp_axis else 0
-    data_at = np.unravel_index(data_index(lay, coords), data_shape(lay)) if lay.data_axes else ()
-    return np.asarray(kv)[data_at][..., tp : tp + 1, :]
+    data, tp = shard_of(lay, coords)
+    return np.asarray(kv)[data][..., tp : tp + 1, :]
 
 
 def replay_single_device(run: Run, coords: sharding.Coords):
     """Replays ``run``'s steps and faults for device ``coords`` on one device; returns (state, k, v) there."""
-    lay, d = run.lay, data_index(run.lay, coords)
-    tp = coords[lay.axis_names.index(lay.tp_axis)] if lay.tp_axis else 0
-    data_at = np.unravel_index(d, data_shape(lay)) if lay.data_axes else ()
+    (data, tp), d = shard_of(run.lay, coords), data_index(run.lay, coords)
     state = CANARY.mark_init_finished(CANARY.init_state())
     k, v = (jnp.zeros((SCHED.num_slots // PAGE, PAGE, 1, HEAD_DIM), jnp.bfloat16) for _ in range(2))
     for i, (batches, new_k, new_v) in enumerate(run.history):
         for when, faulty, slot in run.faults:
             if when == i and faulty == coords:
                 k = k.at[slot // PAGE, slot % PAGE, 0, 0].set(BAD_KV)
-        rows = (np.asarray(x)[data_at][:, tp : tp + 1] for x in (new_k, new_v))
+        rows = (np.asarray(x)[data][:, tp : tp + 1] for x in (new_k, new_v))
         state, k, v = single_step(state, k, v, *rows, batches[d].canary())
     return state, k, v
 
