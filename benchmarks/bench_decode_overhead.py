@@ -173,7 +173,7 @@ def canary_bytes(point: Point, shape: lm.ModelShape) -> int:
     return verify + write
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _compiled_forward(kw: tuple):
     """One jitted forward per step shape, shared by the canary-off and canary-on variants (compiled once)."""
     return jax.jit(functools.partial(lm.forward, **dict(kw)), donate_argnums=(1,))

@@ -38,6 +38,7 @@ from pallas_kernels.write import reference as write_reference
 
 warnings.filterwarnings("ignore", message="The Pallas Triton backend is deprecated")
 _START = time.perf_counter()
+SECTIONS = ["verify", "write", "canary", "chain", "variants"]
 
 
 def _median_seconds(step, carry, args, *, target_s: float = 0.03, calls: int = 5) -> float:
@@ -168,6 +169,9 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("."))
     parser.add_argument("--deadline", type=float, default=1e9, help="skip the remaining points after this many s")
     parser.add_argument("--quick", action="store_true", help="small sizes only (a smoke run)")
+    parser.add_argument("--sections", nargs="+", default=SECTIONS, choices=SECTIONS, help="which parts to run")
+    parser.add_argument("--backends", nargs="+", help="default: pallas and xla on GPU, interpret and xla elsewhere")
+    parser.add_argument("--write-shapes", nargs="+", help="e.g. 256x1 1x4096 (default: all decode/prefill shapes)")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     device = jax.devices()[0]
@@ -175,7 +179,7 @@ def main() -> None:
     table = Table(copy_bandwidth(256 << 20 if args.quick else 4 << 30))
     print(f"copy bandwidth {table.copy_bw / 1e9:.0f} GB/s (read + write)", flush=True)
     on_gpu = jax.default_backend() == "gpu"
-    backends = ("pallas", "xla") if on_gpu else ("interpret", "xla")
+    backends = args.backends or (("pallas", "xla") if on_gpu else ("interpret", "xla"))
 
     def point(op, shape, kv, backend, step, carry, step_args, num_bytes, note="", **timing):
         if time.perf_counter() - _START > args.deadline:
@@ -186,7 +190,7 @@ def main() -> None:
         except Exception as e:  # a failing point must not hide the others
             print(f"FAILED {op} {shape} {kv} {backend}: {type(e).__name__}: {str(e)[:800]}", flush=True)
 
-    for n in workloads.VERIFY_ENTRIES[:1] if args.quick else workloads.VERIFY_ENTRIES:
+    for n in () if "verify" not in args.sections else workloads.VERIFY_ENTRIES[: 1 if args.quick else None]:
         w = workloads.verify(n)
         for kv, mode in workloads.MODES.items():
             for backend in backends:
@@ -203,7 +207,9 @@ def main() -> None:
         del w
 
     shapes = [(bs, 1) for bs in workloads.DECODE_BATCHES] + list(workloads.PREFILL_SHAPES)
-    for num_reqs, each in shapes[:2] if args.quick else shapes:
+    if args.write_shapes:
+        shapes = [tuple(int(v) for v in shape.split("x")) for shape in args.write_shapes]
+    for num_reqs, each in () if "write" not in args.sections else shapes[: 2 if args.quick else None]:
         w = workloads.write(num_reqs, each)
         carry, step_args, tokens = (w.args[0], jnp.uint32(0)), (*w.args[1:], w.sources), w.num_entries
         for kv, mode in workloads.MODES.items():
@@ -220,11 +226,12 @@ def main() -> None:
                 )
 
     # The upper-layer ops add the ring append (prefix sum + scatter) and counters around the kernels.
+    canary_backends = backends if "canary" in args.sections else ()
     state = kc.CanaryDeviceState.allocate(config=kc.CanaryConfig(ring_capacity=1024))
     n = 4096 if args.quick else 1 << 20
     w = workloads.verify(n)
     plan = kc.VerifyPlan(*w.args[1:5], num_valid=jnp.asarray([n], jnp.int32), enable=jnp.ones((1,), jnp.int32))
-    for backend in backends:
+    for backend in canary_backends:
         step = functools.partial(lambda s, a, b: kc.canary_verify(s, a[0], a[1], tag=2, backend=b), b=backend)
         point(
             "canary_verify",
@@ -240,7 +247,7 @@ def main() -> None:
     w = workloads.write(64 if args.quick else 256, 1)
     buf, offsets, seeds, num_valid, ids, positions, loc, _ = w.args
     wplan = kc.WritePlan(write_offsets=offsets, seed_slot_indices=seeds, num_valid_reqs=num_valid)
-    for backend in backends:
+    for backend in canary_backends:
         step = functools.partial(lambda c, a, b: kc.canary_write(c[1], c[0], a[0], *a[1:], tag=2, backend=b), b=backend)
         point(
             "canary_write",
@@ -255,7 +262,7 @@ def main() -> None:
         )
 
     chain_rows = []
-    if not args.quick:
+    if "chain" in args.sections and not args.quick:
         w = workloads.write(8, 4096)
         for block in (1, 8):
             write_reference.CHAIN_BLOCK = block
@@ -279,7 +286,7 @@ def main() -> None:
         write_reference.CHAIN_BLOCK = 8
 
     # Variants behind the heuristics (last: the first to go when the deadline is near).
-    if on_gpu:
+    if "variants" in args.sections and on_gpu:
         n = 1 << 20
         w = workloads.verify(n)
         for kv, mode in (("none", 0), ("all", 2)):

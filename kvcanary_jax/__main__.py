@@ -22,10 +22,10 @@ def main(argv: list[str] | None = None) -> int:
     commands.add_parser("example", help="write, verify and tamper one request's chain, printing the report")
     args = parser.parse_args(argv)
     if args.command == "demo" and args.devices is not None:
-        from kvcanary_jax.demo import sharded
+        from kvcanary_jax.demo import sharded, sharded_faults
 
         sharded.use_fake_cpu_devices(args.devices)  # before anything initialises jax
-        return sharded.run_sharded_demo(
+        return sharded_faults.run_sharded_demo(
             devices=args.devices, seed=args.seed, clean_steps=args.clean_steps, as_json=args.json
         )
     if args.command == "demo":

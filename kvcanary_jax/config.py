@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from pallas_kernels import backend as backends
-
 from kvcanary_jax.constants import CanaryMode, RealKvHashMode
+from pallas_kernels import backend as backends
 
 _MODE_ALIASES = {"none": CanaryMode.OFF}  # SGLang spells "off" as --kv-canary none
 

@@ -76,7 +76,7 @@ class PoolKind(enum.IntEnum):
     SWA = 1
 
 
-class CanaryMode(str, enum.Enum):
+class CanaryMode(enum.StrEnum):
     """What the host does on a violation: ``raise`` (CI lane), ``log`` (keep serving), or ``off``."""
 
     OFF = "off"

@@ -20,26 +20,40 @@ def run_example() -> int:
 
     def plans(prefix_len: int, extend_len: int):
         return kc.build_plans(
-            jnp.array([1], jnp.int32), jnp.array([prefix_len], jnp.int32), jnp.array([extend_len], jnp.int32),
-            req_to_token, verify_capacity=16, write_req_capacity=1,
+            jnp.array([1], jnp.int32),
+            jnp.array([prefix_len], jnp.int32),
+            jnp.array([extend_len], jnp.int32),
+            req_to_token,
+            verify_capacity=16,
+            write_req_capacity=1,
         )
 
     _, write_plan = plans(0, 5)
     tokens, positions = jnp.array([101, 202, 303, 404, 505], jnp.int32), jnp.arange(5, dtype=jnp.int32)
     write = jax.jit(kc.canary_write, static_argnames=("tag", "backend"), donate_argnums=(1,))
-    buf, state = write(state, buf, write_plan, tokens, positions, req_to_token[1, :5], tag=kc.CanaryLaunchTag.HEAD_K_FULL,
-                       backend="xla")
+    buf, state = write(
+        state,
+        buf,
+        write_plan,
+        tokens,
+        positions,
+        req_to_token[1, :5],
+        tag=kc.CanaryLaunchTag.HEAD_K_FULL,
+        backend="xla",
+    )
     print("PREV_HASH of slots 1..5:", [f"{int(h) & (2**64 - 1):016X}" for h in kc.records_as_int64(buf)[1:6, 2]])
 
     verify = jax.jit(kc.canary_verify, static_argnames=("tag", "backend"))
     verify_plan, _ = plans(5, 0)
-    clean = kc.read_violations(verify(state, buf, verify_plan, tag=kc.CanaryLaunchTag.TAIL_K_FULL,
-                                      backend="xla").violation_log)
+    clean = kc.read_violations(
+        verify(state, buf, verify_plan, tag=kc.CanaryLaunchTag.TAIL_K_FULL, backend="xla").violation_log
+    )
     print(f"clean verify: {clean.write_index} violations")
 
     tampered = buf.at[3, 0].set(jnp.array([999, 0], jnp.uint32))  # slot 3's TOKEN: 303 -> 999
-    report = kc.read_violations(verify(state, tampered, verify_plan, tag=kc.CanaryLaunchTag.TAIL_K_FULL,
-                                       backend="xla").violation_log)
+    report = kc.read_violations(
+        verify(state, tampered, verify_plan, tag=kc.CanaryLaunchTag.TAIL_K_FULL, backend="xla").violation_log
+    )
     print(f"tampered verify (slot 3 token 303 -> 999): {report.write_index} violation(s)")
     for message in report.format():
         print(message)

@@ -8,16 +8,15 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from kvcanary_jax import ring, validation
+from kvcanary_jax.config import parse_real_kv_hash_mode
+from kvcanary_jax.constants import RealKvHashMode
+from kvcanary_jax.plans import VerifyPlan, WritePlan
+from kvcanary_jax.state import CanaryDeviceState
 from pallas_kernels import backend as backends
 from pallas_kernels import hash64, layout, realkv, records
 from pallas_kernels.verify import api as verify_api
 from pallas_kernels.write import api as write_api
-
-from kvcanary_jax import ring, validation
-from kvcanary_jax.constants import RealKvHashMode
-from kvcanary_jax.config import parse_real_kv_hash_mode
-from kvcanary_jax.plans import VerifyPlan, WritePlan
-from kvcanary_jax.state import CanaryDeviceState
 
 
 def _bump(counters: jax.Array, tag: int, amount: jax.Array) -> jax.Array:
@@ -100,7 +99,9 @@ def canary_verify(
     tag, mode = _validate_common(state, canary_buf, tag, real_kv_sources, real_kv_hash_mode, backend)
     if not isinstance(plan, VerifyPlan):
         raise TypeError(f"plan must be a VerifyPlan; got {type(plan).__name__}")
-    entries = {f: getattr(plan, f) for f in ("slot_indices", "expected_tokens", "expected_positions", "prev_slot_indices")}
+    entries = {
+        f: getattr(plan, f) for f in ("slot_indices", "expected_tokens", "expected_positions", "prev_slot_indices")
+    }
     for name, x in entries.items():
         validation.array(f"plan.{name}", x, dtype=jnp.int32, ndim=1)
     capacity = validation.same_length({f"plan.{k}": v for k, v in entries.items()})
@@ -133,10 +134,18 @@ def canary_verify(
         token, position, prev_hash, _ = records.load(canary_buf, slot)
         expected_chain = hash64.where(prev != 0, records.slot_hash(canary_buf, prev), prev_hash)
         expected_token = plan.expected_tokens[entry] if check_expected_token else jnp.full_like(entry, -1)
-        return ring.pack_row([
-            hash64.const(tag, entry), _sign_extended(slot), position, token, _sign_extended(expected_token),
-            prev_hash, expected_chain, _sign_extended(bits[entry]),
-        ])
+        return ring.pack_row(
+            [
+                hash64.const(tag, entry),
+                _sign_extended(slot),
+                position,
+                token,
+                _sign_extended(expected_token),
+                prev_hash,
+                expected_chain,
+                _sign_extended(bits[entry]),
+            ]
+        )
 
     log = ring.append(state.violation_log, bits != 0, build_rows)
     return _count_launch(state, log, tag, active)
@@ -224,11 +233,18 @@ def canary_write(
         input_aux = _sign_extended(expected_input_positions[i]) if input_assert else _sign_extended(position)
         aux = hash64.where(is_chain_row, hash64.split(chain.expected_position[i]), input_aux)
         bits = jnp.where(is_chain_row, layout.FAIL_WRITE_POSITION, input_bits[i])
-        return ring.pack_row([
-            hash64.const(tag, entry), _sign_extended(out_cache_loc[i]), _sign_extended(position),
-            _sign_extended(token), _sign_extended(expected_token), hash64.split(chain.prev_hash[i]), aux,
-            _sign_extended(bits),
-        ])
+        return ring.pack_row(
+            [
+                hash64.const(tag, entry),
+                _sign_extended(out_cache_loc[i]),
+                _sign_extended(position),
+                _sign_extended(token),
+                _sign_extended(expected_token),
+                hash64.split(chain.prev_hash[i]),
+                aux,
+                _sign_extended(bits),
+            ]
+        )
 
     log = ring.append(state.violation_log, flags, build_rows)
     written = jnp.sum(chain.written, dtype=jnp.int32)

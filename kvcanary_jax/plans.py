@@ -62,8 +62,19 @@ def translate(slots: jax.Array, lut: jax.Array | None) -> jax.Array:
     return jnp.where(slots < 0, slots, lut[jnp.minimum(slots, lut.shape[0] - 1)])
 
 
-def _validate(req_pool_indices, prefix_lens, extend_lens, req_to_token, verify_capacity, write_req_capacity,
-              swa_window_size, lut, pool, valid_lens, offset):
+def _validate(
+    req_pool_indices,
+    prefix_lens,
+    extend_lens,
+    req_to_token,
+    verify_capacity,
+    write_req_capacity,
+    swa_window_size,
+    lut,
+    pool,
+    valid_lens,
+    offset,
+):
     batch = {"req_pool_indices": req_pool_indices, "prefix_lens": prefix_lens, "extend_lens": extend_lens}
     for name, x in batch.items():
         validation.array(name, x, dtype=jnp.int32, ndim=1)
@@ -130,8 +141,19 @@ def build_plans(
       ValueError, TypeError: for wrong shapes, dtypes or static arguments.
     """
     lut, pool, valid_lens = full_to_swa_index_mapping, req_to_verify_expected_tokens, expected_tokens_valid_lens
-    bs = _validate(req_pool_indices, prefix_lens, extend_lens, req_to_token, verify_capacity, write_req_capacity,
-                   swa_window_size, lut, pool, valid_lens, kv_token_id_vs_position_offset)
+    bs = _validate(
+        req_pool_indices,
+        prefix_lens,
+        extend_lens,
+        req_to_token,
+        verify_capacity,
+        write_req_capacity,
+        swa_window_size,
+        lut,
+        pool,
+        valid_lens,
+        kv_token_id_vs_position_offset,
+    )
     max_context = req_to_token.shape[1]
     active = req_pool_indices != 0
     window_start = jnp.maximum(prefix_lens - swa_window_size, 0) if swa_window_size > 0 else jnp.zeros_like(prefix_lens)

@@ -112,8 +112,10 @@ def format_violation(violation: Violation, *, total: int, overflowed: bool, step
     """SGLang's multi-line report. The first line is frozen so existing log regexes keep working."""
     v = violation
     label = v.tag_label
-    kind = label.lower() if v.launch_tag in _SWEEP_TAGS else (
-        f"per_forward_{label.lower()}" if isinstance(v.launch_tag, CanaryLaunchTag) else label
+    kind = (
+        label.lower()
+        if v.launch_tag in _SWEEP_TAGS
+        else (f"per_forward_{label.lower()}" if isinstance(v.launch_tag, CanaryLaunchTag) else label)
     )
     reasons = v.reason_labels
     lines = [

@@ -7,9 +7,8 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import hash64
-
 from kvcanary_jax.state import ViolationLog
+from pallas_kernels import hash64
 
 _INT32_MAX = jnp.iinfo(jnp.int32).max
 
@@ -19,9 +18,7 @@ def pack_row(fields) -> jax.Array:
     return jnp.stack([hash64.join(f) for f in fields], axis=-2)
 
 
-def append(
-    log: ViolationLog, flags: jax.Array, build_rows: Callable[[jax.Array], jax.Array]
-) -> ViolationLog:
+def append(log: ViolationLog, flags: jax.Array, build_rows: Callable[[jax.Array], jax.Array]) -> ViolationLog:
     """Appends one row per set flag, in flag order, to the fill-once ring.
 
     SGLang reserves ``idx = atomicAdd(index, 1)`` and writes row ``idx`` only if ``idx < capacity``. Here the

@@ -89,7 +89,10 @@ class CanaryDeviceState:
             raise ValueError(f"CanaryDeviceState num_tags must be a positive int; got {num_tags=}")
         pool = None
         if config.enable_verify_token_assert:
-            for name, value in (("req_to_token_alloc_size", req_to_token_alloc_size), ("max_context_len", max_context_len)):
+            for name, value in (
+                ("req_to_token_alloc_size", req_to_token_alloc_size),
+                ("max_context_len", max_context_len),
+            ):
                 if not isinstance(value, int) or value <= 0:
                     raise ValueError(
                         f"CanaryDeviceState.allocate needs a positive {name} when "

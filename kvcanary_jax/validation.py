@@ -15,7 +15,7 @@ def array(name: str, x, *, dtype=None, ndim: int | None = None, shape: tuple | N
     if ndim is not None and len(x.shape) != ndim:
         raise ValueError(f"{name} must have {ndim} dimension(s); got {name}.shape={tuple(x.shape)}")
     if shape is not None:
-        if len(x.shape) != len(shape) or any(e is not None and e != a for e, a in zip(shape, x.shape)):
+        if len(x.shape) != len(shape) or any(e is not None and e != a for e, a in zip(shape, x.shape, strict=True)):
             dims = ", ".join("*" if e is None else str(e) for e in shape)
             want = f"({dims},)" if len(shape) == 1 else f"({dims})"  # (*, 4, 2), not ('*', 4, 2)
             raise ValueError(f"{name} must have shape {want}; got {name}.shape={tuple(x.shape)}")

@@ -30,7 +30,9 @@ from pallas_kernels.write import reference, store
 _WRITTEN = 1  # bits of the chain kernel's per-entry flags
 _POSITION_FAILED = 2
 _CHAIN_WARPS = 1  # the chain walk is scalar code: more warps would only repeat it
-PAIRWISE_MAX_TOKENS = 4096
+# H200: pairwise beats the sort by ~2 us at 256 tokens and loses by ~37 us at 4096 and ~270 us at 16K tokens
+# (benchmarks/RESULTS.md); the scan grows linearly per program, so the crossover is near 400 tokens.
+PAIRWISE_MAX_TOKENS = 512
 
 
 @dataclasses.dataclass(frozen=True)
