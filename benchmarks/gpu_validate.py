@@ -321,9 +321,9 @@ def main() -> None:
     case(
         "write decode bs=64 PARTIAL 4 sources", write_case(range(5, 8), FOUR, 1, num_slots=400, num_reqs=64, max_len=1)
     )
-    case("write 4x1000 NONE (pairwise)", write_case(range(8, 10), (), 0, num_slots=5000, num_reqs=4, max_len=1000))
+    case("write 4x1000 NONE", write_case(range(8, 10), (), 0, num_slots=5000, num_reqs=4, max_len=1000))
     case(
-        "write 32x512 PARTIAL bf16+fp8 (sort)",
+        "write 32x512 PARTIAL bf16+fp8",
         write_case(range(10, 12), (BF16_P16, FP8_P1), 1, num_slots=40000, num_reqs=32, max_len=512),
     )
     case(

@@ -109,6 +109,8 @@ def verify_bits(
       i32[capacity] OR of ``FAIL_VERIFY_*`` bits, 0 past ``num_active`` and for padding slot 0.
     """
     capacity = slot_indices.shape[0]
+    if capacity == 0:  # no grid to launch; the kernel would index empty refs
+        return jnp.zeros((0,), jnp.int32)
     config = config or heuristic(capacity)
     sources = tuple(real_kv_sources) if real_kv_hash_mode != layout.REAL_KV_NONE else ()
     kernel = functools.partial(

@@ -88,6 +88,11 @@ def test_num_active_edges_share_one_compile():
         assert not bits[num_active:].any()
 
 
+def test_empty_plan():
+    empty = [jnp.zeros((0,), jnp.int32)] * 4
+    _assert_same(jnp.zeros((8, 4, 2), jnp.uint32), empty, jnp.int32(0), (), mode=0, check=False)
+
+
 def test_eight_byte_source_under_x64():
     with jax.enable_x64(True):
         rng = np.random.default_rng(3)
