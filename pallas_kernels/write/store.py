@@ -34,7 +34,5 @@ def store(
     num_slots = canary_buf.shape[0]
     winner = last_writer(out_cache_loc, written, num_slots)
     target = jnp.where(winner, out_cache_loc, num_slots)  # sentinel = size: never -1, which would wrap
-    new = records.pack(
-        hash64.from_i32(input_ids), hash64.from_i32(positions), hash64.split(prev_hash), real_kv
-    )
+    new = records.pack(hash64.from_i32(input_ids), hash64.from_i32(positions), hash64.split(prev_hash), real_kv)
     return canary_buf.at[target].set(new, mode="drop")
