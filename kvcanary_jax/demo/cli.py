@@ -8,21 +8,9 @@ import sys
 import time
 from typing import TextIO
 
-from kvcanary_jax.constants import PoolKind
 from kvcanary_jax.demo import faults
-from kvcanary_jax.perturb import FaultKind
 
 # Faults on KV bytes are run against both groups; the other two are always caught by the FULL group's HEAD.
-_RUNS = [
-    (FaultKind.LIVE_KV, PoolKind.FULL),
-    (FaultKind.LIVE_KV, PoolKind.SWA),
-    (FaultKind.REQ_TO_TOKEN, PoolKind.FULL),
-    (FaultKind.IDLE_CACHE_KV, PoolKind.FULL),
-    (FaultKind.IDLE_CACHE_KV, PoolKind.SWA),
-    (FaultKind.POST_FORWARD_KV, PoolKind.FULL),
-    (FaultKind.POST_FORWARD_KV, PoolKind.SWA),
-    (FaultKind.TOKEN_SWAP, PoolKind.FULL),
-]
 _COLUMNS = ("fault", "group", "injected at step", "detected at step", "launch tag", "fail reason", "result")
 
 
@@ -82,7 +70,7 @@ def run_demo(*, seed: int = 0, clean_steps: int = 300, as_json: bool = False, ou
 
     status.show("[kvcanary demo] compiling the jitted step (first step) ...")
     results = [faults.run(None, seed=seed, max_steps=clean_steps, on_step=progress("clean run", clean_steps))]
-    for kind, group in _RUNS:
+    for kind, group in faults.FAULT_RUNS:
         label = f"{kind.value}/{group.name}"
         results.append(faults.run(kind, group=group, seed=seed, on_step=progress(label, 60)))
     status.done()

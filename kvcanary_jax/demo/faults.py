@@ -16,6 +16,18 @@ from kvcanary_jax.demo import loop
 from kvcanary_jax.perturb import FaultKind
 from kvcanary_jax.report import KvCanaryViolationError
 
+# Every fault kind on every group it applies to, in the order the demo and the tests run them.
+FAULT_RUNS = [
+    (FaultKind.LIVE_KV, PoolKind.FULL),
+    (FaultKind.LIVE_KV, PoolKind.SWA),
+    (FaultKind.REQ_TO_TOKEN, PoolKind.FULL),
+    (FaultKind.IDLE_CACHE_KV, PoolKind.FULL),
+    (FaultKind.IDLE_CACHE_KV, PoolKind.SWA),
+    (FaultKind.POST_FORWARD_KV, PoolKind.FULL),
+    (FaultKind.POST_FORWARD_KV, PoolKind.SWA),
+    (FaultKind.TOKEN_SWAP, PoolKind.FULL),
+]
+
 # The demo's canary: everything on, as in SGLang's CI lane (raise mode, token oracle, asserts, sweeps).
 DEMO_CONFIG = CanaryConfig(
     mode="raise",

@@ -4,20 +4,10 @@ import collections
 
 import pytest
 
-from kvcanary_jax import PoolKind
 from kvcanary_jax.demo import faults
 from kvcanary_jax.perturb import FaultKind, expected_detection
 
-CASES = [
-    (FaultKind.LIVE_KV, PoolKind.FULL),
-    (FaultKind.LIVE_KV, PoolKind.SWA),
-    (FaultKind.REQ_TO_TOKEN, PoolKind.FULL),
-    (FaultKind.IDLE_CACHE_KV, PoolKind.FULL),
-    (FaultKind.IDLE_CACHE_KV, PoolKind.SWA),
-    (FaultKind.POST_FORWARD_KV, PoolKind.FULL),
-    (FaultKind.POST_FORWARD_KV, PoolKind.SWA),
-    (FaultKind.TOKEN_SWAP, PoolKind.FULL),
-]
+CASES = faults.FAULT_RUNS
 SEEDS = range(12)
 
 
