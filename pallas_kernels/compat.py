@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import contextlib
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
+import jax
 from jax import export
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
@@ -51,3 +53,20 @@ def triton_call(
 def export_disabled_checks() -> list[export.DisabledSafetyCheck]:
     """Safety checks to disable so ``jax.export(..., platforms=["cuda"])`` accepts Triton custom calls."""
     return [export.DisabledSafetyCheck.custom_call(TRITON_CUSTOM_CALL_TARGET)]
+
+
+@contextlib.contextmanager
+def cuda_export_target(device_kind: str = "NVIDIA H200", num_cores: int = 132) -> Iterator[None]:
+    """Lets ``jax.export(..., platforms=["cuda"])`` lower Triton kernels on a machine without a GPU.
+
+    jax 0.12 asks the default device for its compute capability while lowering a Triton call and fails on a CPU
+    ("No supported GPU devices found"); an abstract mesh naming the target GPU answers it instead. jax <= 0.11 needs
+    nothing, and has no ``AbstractDevice``.
+    """
+    abstract_device = getattr(jax.sharding, "AbstractDevice", None)
+    if abstract_device is None or not hasattr(jax.sharding, "use_abstract_mesh"):
+        yield
+        return
+    target = abstract_device(device_kind=device_kind, num_cores=num_cores, platform="cuda")
+    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("export",), abstract_device=target)):
+        yield

@@ -27,7 +27,8 @@ def _pretend_gpu(monkeypatch):
 
 
 def _export(fn, *args) -> str:
-    exported = export.export(fn, platforms=["cuda"], disabled_checks=compat.export_disabled_checks())(*args)
+    with compat.cuda_export_target():
+        exported = export.export(fn, platforms=["cuda"], disabled_checks=compat.export_disabled_checks())(*args)
     return exported.mlir_module()
 
 
