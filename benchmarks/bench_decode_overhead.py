@@ -160,7 +160,8 @@ def canary_bytes(point: Point, shape: lm.ModelShape) -> int:
 
     Per verify entry: slot record 32 B + predecessor record 32 B + plan row 16 B (written by the plan build, read
     by verify: 32 B) + the real-KV read on TAIL (one 32-byte sector for PARTIAL, the 256-byte row for ALL).
-    Per written entry: record 32 B + plan/seed reads. HEAD and TAIL each run verify + write per half.
+    Per written entry: record 32 B + token/position/slot words 12 B on HEAD and on TAIL, plus the real-KV read on
+    TAIL. HEAD and TAIL each run verify + write per half.
     """
     if point.mode is None:
         return 0
@@ -169,7 +170,7 @@ def canary_bytes(point: Point, shape: lm.ModelShape) -> int:
     written = point.bs if point.kind == "decode" else point.bs * point.ctx
     rkv = {"none": 0, "partial": 32, "all": 256}[point.mode]
     verify = entries * halves * (2 * (32 + 32 + 32) + rkv)
-    write = written * halves * 2 * (32 + 12 + (rkv if point.kind else 0) // 2)
+    write = written * halves * (2 * (32 + 12) + rkv)
     return verify + write
 
 

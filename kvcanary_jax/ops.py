@@ -61,10 +61,6 @@ def _after_ring(log) -> jax.Array:
     return lax.shift_right_logical(log.violation_ring[0, 7, 0], jnp.uint32(31)).astype(jnp.int32)
 
 
-def _sign_extended(x: jax.Array) -> hash64.U64:
-    return hash64.from_i32(x)
-
-
 def canary_verify(
     state: CanaryDeviceState,
     canary_buf: jax.Array,
@@ -137,13 +133,13 @@ def canary_verify(
         return ring.pack_row(
             [
                 hash64.const(tag, entry),
-                _sign_extended(slot),
+                hash64.from_i32(slot),
                 position,
                 token,
-                _sign_extended(expected_token),
+                hash64.from_i32(expected_token),
                 prev_hash,
                 expected_chain,
-                _sign_extended(bits[entry]),
+                hash64.from_i32(bits[entry]),
             ]
         )
 
@@ -230,19 +226,19 @@ def canary_write(
         i, is_chain_row = entry // 2, entry % 2 == 1
         token, position = input_ids[i], positions[i]
         expected_token = jnp.where(is_chain_row, token, expected_input_tokens[i]) if input_assert else token
-        input_aux = _sign_extended(expected_input_positions[i]) if input_assert else _sign_extended(position)
+        input_aux = hash64.from_i32(expected_input_positions[i]) if input_assert else hash64.from_i32(position)
         aux = hash64.where(is_chain_row, hash64.split(chain.expected_position[i]), input_aux)
         bits = jnp.where(is_chain_row, layout.FAIL_WRITE_POSITION, input_bits[i])
         return ring.pack_row(
             [
                 hash64.const(tag, entry),
-                _sign_extended(out_cache_loc[i]),
-                _sign_extended(position),
-                _sign_extended(token),
-                _sign_extended(expected_token),
+                hash64.from_i32(out_cache_loc[i]),
+                hash64.from_i32(position),
+                hash64.from_i32(token),
+                hash64.from_i32(expected_token),
                 hash64.split(chain.prev_hash[i]),
                 aux,
-                _sign_extended(bits),
+                hash64.from_i32(bits),
             ]
         )
 
