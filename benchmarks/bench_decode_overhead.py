@@ -3,11 +3,14 @@
 Usage (H200): python benchmarks/bench_decode_overhead.py --out $OUT
 Smoke test (CPU, tiny model, interpret-mode attention): python benchmarks/bench_decode_overhead.py --tiny
 
-Each point times a long donated async loop (``--steps`` steps after warm-up, one sync at the end), ``--repeats``
-times, and reports the median step time. The step is the user's view: ``canary.before_forward`` (HEAD plans,
-verify, write), the model forward over the paged cache, ``canary.after_forward`` (TAIL verify and write with the
-layer-0 K/V real-KV fold). Results stream to ``<out>/decode_overhead.jsonl``; the table is printed at the end and
-``<out>/overhead.png`` plots overhead against batch and context.
+Points of one step shape run in interleaved rounds (off, on, ..., off, on, ...): each round times a long donated
+async loop (``--steps`` steps after warm-up, one sync at the end) per variant, so clock and temperature drift hits
+all variants alike. Overhead is the median over ``--repeats`` rounds of (on / off of the same round - 1). The step is
+the user's view: ``canary.before_forward`` (HEAD plans, verify, write), the model forward over the paged cache,
+``canary.after_forward`` (TAIL verify and write with the layer-0 K/V real-KV fold). Results stream to
+``<out>/decode_overhead.jsonl``; the table is printed at the end and ``<out>/overhead.png`` plots overhead against
+batch and context. The detail point also times the canary alone and writes ``<out>/profile_summary.md``; XLA:GPU
+runs a jit as one CUDA graph, so profile with ``XLA_FLAGS=--xla_gpu_enable_command_buffer=`` to see its kernels.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import argparse
 import dataclasses
 import datetime
 import functools
+import itertools
 import json
 import os
 import statistics
@@ -67,16 +71,19 @@ def default_points(tiny: bool) -> list[Point]:
             Point("prefill", 2, 32, "partial"),
         ]
     points = []
-    for bs, ctx in [(64, 1024), (1, 1024), (256, 1024), (1, 8192), (64, 8192)]:
-        points += [Point("decode", bs, ctx), Point("decode", bs, ctx, "partial", detail=(bs, ctx) == (64, 1024))]
+    for kind, bs, ctx in [
+        ("decode", 64, 1024),
+        ("decode", 1, 1024),
+        ("decode", 256, 1024),
+        ("decode", 64, 8192),
+        ("prefill", 32, 4096),
+        ("decode", 1, 8192),
+    ]:
+        points += [Point(kind, bs, ctx), Point(kind, bs, ctx, "partial", detail=(bs, ctx) == (64, 1024))]
         if (bs, ctx) == (64, 1024):
-            points += [
-                Point("decode", bs, ctx, "none"),
-                Point("decode", bs, ctx, "all"),
-                Point("decode", bs, ctx, "partial", "K"),
-            ]
-    points += [Point("prefill", 32, 4096), Point("prefill", 32, 4096, "partial")]
-    points += [Point("decode", 64, 1024, "partial", backend="xla")]  # last: its XLA chain walk compiles slowly
+            points += [Point(kind, bs, ctx, "none"), Point(kind, bs, ctx, "all"), Point(kind, bs, ctx, "partial", "K")]
+    # Last, with its own canary-off twin: the XLA chain walk compiles slowly.
+    points += [Point("decode", 64, 1024), Point("decode", 64, 1024, "partial", backend="xla")]
     return points
 
 
@@ -138,21 +145,21 @@ def kv_sources(canary: runner.KvCanary, kv, shape: lm.ModelShape):
     return canary.kv_sources(full_k=flat(kv[0]), full_v=flat(kv[1]) if canary.pool.with_v else None)
 
 
-def timed_loop(step, carry, steps: int, repeats: int) -> tuple[float, object]:
-    """Median over ``repeats`` of (wall time of ``steps`` async steps, one sync at the end) / steps."""
-    carry = step(*carry)  # warm-up (compiles)
+def timed_steps(step, carry, steps: int) -> tuple[float, object]:
+    """Wall time of ``steps`` async steps with one sync at the end, per step."""
     jax.block_until_ready(carry)
-    for _ in range(2):
+    start = time.perf_counter()
+    for _ in range(steps):
         carry = step(*carry)
     jax.block_until_ready(carry)
-    per_step = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        for _ in range(steps):
-            carry = step(*carry)
-        jax.block_until_ready(carry)
-        per_step.append((time.perf_counter() - start) / steps)
-    return statistics.median(per_step), carry
+    return (time.perf_counter() - start) / steps, carry
+
+
+def warm_up(step, carry):
+    """Compiles and runs three steps."""
+    for _ in range(3):
+        carry = step(*carry)
+    return jax.block_until_ready(carry)
 
 
 def canary_bytes(point: Point, shape: lm.ModelShape) -> int:
@@ -180,26 +187,43 @@ def _compiled_forward(kw: tuple):
     return jax.jit(functools.partial(lm.forward, **dict(kw)), donate_argnums=(1,))
 
 
-def run_point(point: Point, params, pool: Pool, shape: lm.ModelShape, args, bandwidth: float) -> dict:
-    bs, ctx = point.bs, point.ctx
+@dataclasses.dataclass
+class Variant:
+    """One point's step ``(tok, kv, cs) -> (tok, kv, cs)`` and its carry (``cs`` is None with the canary off)."""
+
+    point: Point
+    step: object
+    tok: jax.Array
+    cs: object = None
+    canary: runner.KvCanary | None = None
+    tail: object = None
+    seconds: list = dataclasses.field(default_factory=list)
+
+
+def run_group(points: list[Point], params, pool: Pool, shape: lm.ModelShape, args, bandwidth: float) -> list[dict]:
+    """Times every variant of one step shape in interleaved rounds (off, on, ..., off, on, ...), so drift of the
+    card's clocks and temperature hits all variants alike; a variant's overhead is the median over rounds of its
+    time over the canary-off time of the same round."""
+    first = points[0]
+    bs, ctx = first.bs, first.ctx
     block_tables, req_to_token = pool.assign(bs, ctx)
     slots = jnp.asarray(req_to_token[1:])
     rng = np.random.default_rng(1)
     kw = dict(shape=shape, page_size=PAGE_SIZE, num_pages=pool.num_pages, interpret=args.tiny)
-    if point.kind == "decode":
+    if first.kind == "decode":
         tokens = jnp.asarray(rng.integers(1, shape.vocab, bs), jnp.int32)
         positions = jnp.full((bs,), ctx - 1, jnp.int32)
         out_cache_loc = slots[:, ctx - 1]
-        seq_lens = jnp.full((bs,), ctx, jnp.int32)
         prefix, extend = ctx - 1, 1
         kw["attention_kw"] = attention_kw(ctx, args.tiny)
     else:
         tokens = jnp.asarray(rng.integers(1, shape.vocab, bs * ctx), jnp.int32)
         positions = jnp.tile(jnp.arange(ctx, dtype=jnp.int32), bs)
         out_cache_loc = slots.reshape(-1)
-        seq_lens = jnp.full((bs,), ctx, jnp.int32)
         prefix, extend = 0, ctx
+    seq_lens = jnp.full((bs,), ctx, jnp.int32)
     forward = _compiled_forward(tuple(sorted(kw.items())))
+    steps = args.steps if first.kind == "decode" else args.prefill_steps
 
     def batch_for(input_ids):
         return runner.CanaryBatch(
@@ -212,65 +236,91 @@ def run_point(point: Point, params, pool: Pool, shape: lm.ModelShape, args, band
             out_cache_loc=out_cache_loc,
         )
 
-    result = dict(dataclasses.asdict(point), label=point.label)
-    if point.mode is None:
+    def next_tokens(nxt):
+        return jnp.broadcast_to(nxt[:, None], (bs, tokens.shape[0] // bs)).reshape(-1)
 
-        def step(tok, kv):
-            nxt, kv = forward(params, kv, tok, positions, out_cache_loc, block_tables, seq_lens)
-            return (jnp.broadcast_to(nxt[:, None], (bs, tokens.shape[0] // bs)).reshape(-1), kv)
+    def off_step(tok, kv, cs):
+        nxt, kv = forward(params, kv, tok, positions, out_cache_loc, block_tables, seq_lens)
+        return next_tokens(nxt), kv, cs
 
-        seconds, (_, pool.kv) = timed_loop(
-            step, (tokens, pool.kv), args.steps if point.kind == "decode" else args.prefill_steps, args.repeats
-        )
-    else:
+    variants = []
+    for point in points:
+        if point.mode is None:
+            variants.append(Variant(point, off_step, tokens))
+            continue
         canary = make_canary(point, pool.num_pages * PAGE_SIZE, max(bs * ctx, 16), args.tiny)
         head = jax.jit(canary.before_forward, donate_argnums=(0,))
-        tail = jax.jit(
-            lambda cs, b, kv: canary.after_forward(cs, b, kv_sources(canary, kv, shape)), donate_argnums=(0,)
-        )
-        cstate = prime_chains(canary, pool, req_to_token, bs, ctx, shape, point)
 
-        def step(tok, kv, cs):
+        def canary_tail(cs, b, kv, canary=canary):
+            return canary.after_forward(cs, b, kv_sources(canary, kv, shape))
+
+        tail = jax.jit(canary_tail, donate_argnums=(0,))
+
+        def on_step(tok, kv, cs, head=head, tail=tail):
             batch = batch_for(tok)
             cs = head(cs, batch)
             nxt, kv = forward(params, kv, tok, positions, out_cache_loc, block_tables, seq_lens)
-            cs = tail(cs, batch, kv)
-            return (jnp.broadcast_to(nxt[:, None], (bs, tokens.shape[0] // bs)).reshape(-1), kv, cs)
+            return next_tokens(nxt), kv, tail(cs, batch, kv)
 
-        seconds, (_, pool.kv, cstate) = timed_loop(
-            step, (tokens, pool.kv, cstate), args.steps if point.kind == "decode" else args.prefill_steps, args.repeats
-        )
-        report = kc.read_violations(cstate.violation_log)
-        counters = np.asarray(cstate.device.kernel_run_counters)[:, 0]
-        result.update(
-            violations=report.write_index,
-            launches=[int(c) for c in counters],
-            overflows=int(np.asarray(cstate.verify_overflows)[0]),
-        )
-        if not point.detail:
-            result["step_s"] = seconds
-            return finish(result, point, shape, bandwidth)
-        result["hlo_copies"] = hlo_copies(tail, cstate, batch_for(tokens), pool.kv)
-        canary_only = jax.jit(
-            lambda cs, b, kv: canary.after_forward(canary.before_forward(cs, b), b, kv_sources(canary, kv, shape)),
-            donate_argnums=(0,),
-        )
-        only_seconds, (cstate, *_) = timed_loop(
-            lambda cs, b, kv: (canary_only(cs, b, kv), b, kv),
-            (cstate, batch_for(tokens), pool.kv),
-            args.steps if point.kind == "decode" else args.prefill_steps,
-            args.repeats,
-        )
-        result["canary_only_s"] = only_seconds
-        del cstate
-    result["step_s"] = seconds
-    return finish(result, point, shape, bandwidth)
+        cs = prime_chains(canary, pool, req_to_token, bs, ctx, shape, point)
+        variants.append(Variant(point, on_step, tokens, cs, canary, tail))
+
+    kv = pool.kv
+    for v in variants:
+        v.tok, kv, v.cs = warm_up(v.step, (v.tok, kv, v.cs))
+    for _ in range(args.repeats):
+        for v in variants:
+            seconds, (v.tok, kv, v.cs) = timed_steps(v.step, (v.tok, kv, v.cs), steps)
+            v.seconds.append(seconds)
+    pool.kv = kv
+
+    off = next((v.seconds for v in variants if v.point.mode is None), None)
+    results = []
+    for v in variants:
+        result = dict(dataclasses.asdict(v.point), label=v.point.label, step_s=statistics.median(v.seconds))
+        if v.point.mode is not None:
+            if off is not None:
+                ratios = [100 * (on / base - 1) for on, base in zip(v.seconds, off, strict=True)]
+                result.update(overhead_pct=statistics.median(ratios), overhead_range=[min(ratios), max(ratios)])
+            counters = np.asarray(v.cs.device.kernel_run_counters)[:, 0]
+            result.update(
+                violations=kc.read_violations(v.cs.violation_log).write_index,
+                launches=[int(c) for c in counters],
+                overflows=int(np.asarray(v.cs.verify_overflows)[0]),
+            )
+            if v.point.detail:
+                result.update(canary_detail(v, batch_for(tokens), pool, shape, steps, args))
+        results.append(finish(result, v.point, shape, bandwidth))
+        v.cs = None
+    return results
+
+
+def canary_detail(v: Variant, batch, pool: Pool, shape, steps: int, args) -> dict:
+    """HLO copy count of the TAIL launch, canary-only time per step (HEAD + TAIL in one jit), optional profile."""
+    canary = v.canary
+    copies = hlo_copies(v.tail, v.cs, batch, pool.kv)
+
+    def canary_only_step(cs, b, kv):
+        return canary.after_forward(canary.before_forward(cs, b), b, kv_sources(canary, kv, shape))
+
+    canary_only = jax.jit(canary_only_step, donate_argnums=(0,))
+    only = lambda cs, b, kv: (canary_only(cs, b, kv), b, kv)  # noqa: E731
+    carry = warm_up(only, (v.cs, batch, pool.kv))
+    seconds = []
+    for _ in range(args.repeats):
+        elapsed, carry = timed_steps(only, carry, steps)
+        seconds.append(elapsed)
+    if args.profile_steps:
+        summary, carry = profile_steps(only, carry, args.profile_steps, args.out)
+        print(summary, flush=True)
+    v.cs = carry[0]
+    return {"hlo_copies": copies, "canary_only_s": statistics.median(seconds)}
 
 
 def finish(result: dict, point: Point, shape: lm.ModelShape, bandwidth: float) -> dict:
     """Adds the roofline fraction (weights + KV bytes read, over copy bandwidth) and the canary's extra bytes."""
     bs, ctx, seconds = point.bs, point.ctx, result["step_s"]
-    read = shape.weight_bytes + (bs * ctx * shape.kv_bytes_per_token if point.kind == "decode" else 0)
+    read = shape.weight_bytes_read + (bs * ctx * shape.kv_bytes_per_token if point.kind == "decode" else 0)
     result["roofline_fraction"] = read / bandwidth / seconds
     result["canary_bytes"] = canary_bytes(point, shape)
     return result
@@ -306,19 +356,61 @@ def hlo_copies(tail, cstate, batch, kv) -> int:
     return sum(1 for line in text.splitlines() if " copy(" in line and any(b in line for b in big))
 
 
+def profile_steps(step, carry, steps: int, out: str) -> tuple[str, object]:
+    """Runs ``steps`` steps under ``jax.profiler``; returns a markdown summary (device time per step of each trace
+    line's top events: XLA modules, ops, kernels) and the final carry. The Perfetto trace stays in ``<out>/profile``."""
+    import collections
+    import glob
+    import gzip
+
+    trace_dir = os.path.join(out, "profile")
+    jax.block_until_ready(carry)
+    with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+        for _ in range(steps):
+            carry = step(*carry)
+        jax.block_until_ready(carry)
+    path = max(glob.glob(os.path.join(trace_dir, "**", "perfetto_trace.json.gz"), recursive=True), key=os.path.getmtime)
+    with gzip.open(path) as f:
+        trace = json.load(f)
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    process = {e["pid"]: e["args"]["name"] for e in events if e.get("name") == "process_name"}
+    device_pids = {pid for pid, name in process.items() if name.startswith("/device:")}
+    ops = [
+        e
+        for e in events
+        if e.get("ph") == "X" and "hlo_module" in e.get("args", {}) and (not device_pids or e["pid"] in device_pids)
+    ]
+    per_module = collections.defaultdict(collections.Counter)
+    for e in ops:
+        per_module[e["args"]["hlo_module"]][e["args"].get("hlo_op", e["name"])] += e.get("dur", 0.0) / steps
+    where = "device streams" if device_pids else "host threads (no device trace)"
+    lines = [f"Time per step (µs) by jitted module and op, {steps} steps under jax.profiler, {where}", ""]
+    lines += ["| module | µs/step | ops |", "|---|---|---|"]
+    modules = sorted(per_module.items(), key=lambda item: -sum(item[1].values()))
+    lines += [f"| `{m}` | {sum(c.values()):.1f} | {len(c)} |" for m, c in modules]
+    for module, counter in modules:
+        lines += ["", f"### `{module}`: top ops", "", "| µs/step | op |", "|---|---|"]
+        lines += [f"| {us:.1f} | `{op[:110]}` |" for op, us in counter.most_common(40)]
+    summary = "\n".join(lines)
+    with open(os.path.join(out, "profile_summary.md"), "w") as f:
+        f.write(summary + "\n")
+    return summary, carry
+
+
 def write_outputs(results: list[dict], out: str, header: dict) -> str:
-    off = {(r["kind"], r["bs"], r["ctx"]): r["step_s"] for r in results if r["mode"] is None}
     lines = [
         f"Card: {header['device']}; jax {header['jax']}; {header['date']}; copy bandwidth "
         f"{header['copy_bw'] / 1e12:.2f} TB/s; model {header['model']}",
         "",
-        "| step | bs | ctx | canary | backend | step ms | overhead % | canary-only ms | extra MB/step | "
+        "| step | bs | ctx | canary | backend | step ms | overhead % (min..max) | canary-only ms | extra MB/step | "
         "roofline (off) | violations |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
-        base = off.get((r["kind"], r["bs"], r["ctx"]))
-        over = "" if r["mode"] is None or base is None else f"{100 * (r['step_s'] / base - 1):+.2f}"
+        over = ""
+        if "overhead_pct" in r:
+            low, high = r["overhead_range"]
+            over = f"{r['overhead_pct']:+.2f} ({low:+.2f}..{high:+.2f})"
         canary = "off" if r["mode"] is None else f"{r['mode']} {r['halves']}"
         only = f"{1e3 * r['canary_only_s']:.3f}" if "canary_only_s" in r else ""
         roof = f"{100 * r['roofline_fraction']:.0f}%" if r["mode"] is None else ""
@@ -331,13 +423,13 @@ def write_outputs(results: list[dict], out: str, header: dict) -> str:
     with open(os.path.join(out, "decode_overhead.md"), "w") as f:
         f.write(table + "\n")
     try:
-        plot(results, off, os.path.join(out, "overhead.png"))
+        plot(results, os.path.join(out, "overhead.png"))
     except ImportError:
         print("matplotlib not installed: no plot", file=sys.stderr)
     return table
 
 
-def plot(results, off, path):
+def plot(results, path):
     import matplotlib
 
     matplotlib.use("Agg")
@@ -346,21 +438,20 @@ def plot(results, off, path):
     fig, ax = plt.subplots(figsize=(7, 4))
     for ctx in sorted({r["ctx"] for r in results if r["kind"] == "decode"}):
         pts = sorted(
-            (r["bs"], 100 * (r["step_s"] / off[("decode", r["bs"], ctx)] - 1))
+            (r["bs"], r["overhead_pct"], *r["overhead_range"])
             for r in results
             if r["kind"] == "decode"
             and r["ctx"] == ctx
-            and r["mode"] == "partial"
-            and r["halves"] == "K+V"
-            and r["backend"] == "pallas"
-            and ("decode", r["bs"], ctx) in off
+            and (r["mode"], r["halves"], r["backend"]) == ("partial", "K+V", "pallas")
+            and "overhead_pct" in r
         )
         if pts:
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=f"decode, context {ctx}")
+            bs, mid, low, high = (np.array(column) for column in zip(*pts, strict=True))
+            ax.errorbar(bs, mid, yerr=[mid - low, high - mid], fmt="o-", capsize=3, label=f"decode, context {ctx}")
     ax.axhline(1.0, color="grey", ls="--", lw=0.8, label="1% budget")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("batch size")
-    ax.set_ylabel("canary overhead (% of step)")
+    ax.set_ylabel("overhead, % of step (bars: min..max)")
     ax.set_title("kvcanary-jax, real-KV PARTIAL, K+V, pallas")
     ax.legend()
     fig.tight_layout()
@@ -374,6 +465,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--prefill-steps", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--profile-steps", type=int, default=20, help="steps traced on the detail point (0: none)")
     parser.add_argument("--only", type=int, nargs="*", help="indices into the point list")
     args = parser.parse_args()
     if args.tiny:
@@ -397,17 +489,17 @@ def main() -> None:
     pool = Pool(shape, max_tokens // PAGE_SIZE + 1, seed=2)
     results = []
     with open(os.path.join(args.out, "decode_overhead.jsonl"), "w") as log:
-        for i, point in enumerate(points):
+        groups = [list(g) for _, g in itertools.groupby(points, key=lambda p: (p.kind, p.bs, p.ctx))]
+        shown = ("overhead_pct", "violations", "hlo_copies", "canary_only_s", "roofline_fraction")
+        for i, group in enumerate(groups):
             start = time.perf_counter()
-            result = run_point(point, params, pool, shape, args, bandwidth)
-            results.append(result)
-            log.write(json.dumps(result) + "\n")
-            log.flush()
-            print(
-                f"[{i + 1}/{len(points)}] {point.label}: {1e3 * result['step_s']:.3f} ms/step "
-                f"({time.perf_counter() - start:.0f} s) {json.dumps({k: v for k, v in result.items() if k in ('violations', 'hlo_copies', 'canary_only_s', 'roofline_fraction')})}",
-                flush=True,
-            )
+            for result in run_group(group, params, pool, shape, args, bandwidth):
+                results.append(result)
+                log.write(json.dumps(result) + "\n")
+                log.flush()
+                extra = json.dumps({k: v for k, v in result.items() if k in shown})
+                print(f"  {result['label']}: {1e3 * result['step_s']:.3f} ms/step {extra}", flush=True)
+            print(f"[{i + 1}/{len(groups)}] done in {time.perf_counter() - start:.0f} s", flush=True)
             write_outputs(results, args.out, header)
     print(write_outputs(results, args.out, header))
 

@@ -37,10 +37,12 @@ class ModelShape:
         return cls(layers=2, hidden=64, q_heads=4, kv_heads=2, head_dim=16, intermediate=128, vocab=256)
 
     @property
-    def weight_bytes(self) -> int:
+    def weight_bytes_read(self) -> int:
+        """Weight bytes one step reads: every layer, the final norm and ``lm_head`` (bf16). The embedding table is
+        left out: a step reads only its looked-up rows."""
         h, qd, kvd = self.hidden, self.q_heads * self.head_dim, self.kv_heads * self.head_dim
         per_layer = h * (qd + 2 * kvd) + qd * h + 3 * h * self.intermediate + 2 * h
-        return 2 * (self.layers * per_layer + 2 * self.vocab * h + h)
+        return 2 * (self.layers * per_layer + self.vocab * h + h)
 
     @property
     def kv_bytes_per_token(self) -> int:
