@@ -16,9 +16,12 @@ runs a jit as one CUDA graph, so profile with ``XLA_FLAGS=--xla_gpu_enable_comma
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
 import datetime
 import functools
+import glob
+import gzip
 import itertools
 import json
 import os
@@ -143,6 +146,15 @@ def kv_sources(canary: runner.KvCanary, kv, shape: lm.ModelShape):
     slot ``s`` maps to layer 0, head 0 page ``s // 16``. ALL folds that head's 256-byte row."""
     flat = lambda a: kc.RealKvSource(a.reshape(-1, PAGE_SIZE, shape.head_dim), page_size=PAGE_SIZE)  # noqa: E731
     return canary.kv_sources(full_k=flat(kv[0]), full_v=flat(kv[1]) if canary.pool.with_v else None)
+
+
+def canary_only(canary: runner.KvCanary, shape: lm.ModelShape):
+    """HEAD then TAIL with no forward in between: primes the chains, and times and profiles the canary alone."""
+
+    def canary_only_step(cs, b, kv):
+        return canary.after_forward(canary.before_forward(cs, b), b, kv_sources(canary, kv, shape))
+
+    return canary_only_step
 
 
 def timed_steps(step, carry, steps: int) -> tuple[float, object]:
@@ -297,14 +309,9 @@ def run_group(points: list[Point], params, pool: Pool, shape: lm.ModelShape, arg
 
 def canary_detail(v: Variant, batch, pool: Pool, shape, steps: int, args) -> dict:
     """HLO copy count of the TAIL launch, canary-only time per step (HEAD + TAIL in one jit), optional profile."""
-    canary = v.canary
     copies = hlo_copies(v.tail, v.cs, batch, pool.kv)
-
-    def canary_only_step(cs, b, kv):
-        return canary.after_forward(canary.before_forward(cs, b), b, kv_sources(canary, kv, shape))
-
-    canary_only = jax.jit(canary_only_step, donate_argnums=(0,))
-    only = lambda cs, b, kv: (canary_only(cs, b, kv), b, kv)  # noqa: E731
+    only_step = jax.jit(canary_only(v.canary, shape), donate_argnums=(0,))
+    only = lambda cs, b, kv: (only_step(cs, b, kv), b, kv)  # noqa: E731
     carry = warm_up(only, (v.cs, batch, pool.kv))
     seconds = []
     for _ in range(args.repeats):
@@ -339,10 +346,7 @@ def prime_chains(canary, pool: Pool, req_to_token, bs: int, ctx: int, shape, poi
         positions=jnp.tile(jnp.arange(cached, dtype=jnp.int32), bs),
         out_cache_loc=jnp.asarray(req_to_token[1:, :cached].reshape(-1)),
     )
-    prime = jax.jit(
-        lambda cs, b, kv: canary.after_forward(canary.before_forward(cs, b), b, kv_sources(canary, kv, shape))
-    )
-    state = prime(state, batch, pool.kv)
+    state = jax.jit(canary_only(canary, shape))(state, batch, pool.kv)
     return canary.mark_init_finished(state)
 
 
@@ -357,12 +361,9 @@ def hlo_copies(tail, cstate, batch, kv) -> int:
 
 
 def profile_steps(step, carry, steps: int, out: str) -> tuple[str, object]:
-    """Runs ``steps`` steps under ``jax.profiler``; returns a markdown summary (device time per step of each trace
-    line's top events: XLA modules, ops, kernels) and the final carry. The Perfetto trace stays in ``<out>/profile``."""
-    import collections
-    import glob
-    import gzip
-
+    """Runs ``steps`` steps under ``jax.profiler``; returns a markdown summary (time per step of each jitted module
+    and its top HLO ops, from the device streams when the trace has them) and the final carry. The Perfetto trace
+    stays in ``<out>/profile``."""
     trace_dir = os.path.join(out, "profile")
     jax.block_until_ready(carry)
     with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
