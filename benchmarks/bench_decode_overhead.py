@@ -6,8 +6,9 @@ Smoke test (CPU, tiny model, interpret-mode attention): python benchmarks/bench_
 Points of one step shape run in interleaved rounds (off, on, ..., off, on, ...): each round times a long donated
 async loop (``--steps`` steps after warm-up, one sync at the end) per variant, so clock and temperature drift hits
 all variants alike. Overhead is the median over ``--repeats`` rounds of (on / off of the same round - 1). The step is
-the user's view: ``canary.before_forward`` (HEAD plans, verify, write), the model forward over the paged cache,
-``canary.after_forward`` (TAIL verify and write with the layer-0 K/V real-KV fold). Results stream to
+the user's view, one jit with the KV cache and canary state donated: ``canary.before_forward`` (HEAD plans, verify,
+write), the model forward over the paged cache, ``canary.after_forward`` (TAIL verify and write with the layer-0
+K/V real-KV fold). Results stream to
 ``<out>/decode_overhead.jsonl``; the table is printed at the end and ``<out>/overhead.png`` plots overhead against
 batch and context. The detail point also times the canary alone and writes ``<out>/profile_summary.md``; XLA:GPU
 runs a jit as one CUDA graph, so profile with ``XLA_FLAGS=--xla_gpu_enable_command_buffer=`` to see its kernels.
@@ -54,7 +55,7 @@ class Point:
     mode: str | None = None  # real-KV mode: "none", "partial", "all"; None = canary off
     halves: str = "K+V"
     backend: str = "pallas"
-    detail: bool = False  # also check the compiled TAIL for buffer copies and time the canary alone
+    detail: bool = False  # also check the compiled step for buffer copies and time the canary alone
 
     @property
     def label(self) -> str:
@@ -193,23 +194,39 @@ def canary_bytes(point: Point, shape: lm.ModelShape) -> int:
     return verify + write
 
 
-@functools.cache
-def _compiled_forward(kw: tuple):
-    """One jitted forward per step shape, shared by the canary-off and canary-on variants (compiled once)."""
-    return jax.jit(functools.partial(lm.forward, **dict(kw)), donate_argnums=(1,))
-
-
 @dataclasses.dataclass
 class Variant:
-    """One point's step ``(tok, kv, cs) -> (tok, kv, cs)`` and its carry (``cs`` is None with the canary off)."""
+    """One point's jitted step ``(tok, kv, cs, params, fixed) -> (tok, kv, cs)`` and its carry (``cs`` is None with
+    the canary off); ``fixed`` holds the step's device-resident inputs that do not change between steps."""
 
     point: Point
-    step: object
+    jitted: object
     tok: jax.Array
     cs: object = None
     canary: runner.KvCanary | None = None
-    tail: object = None
     seconds: list = dataclasses.field(default_factory=list)
+
+
+def user_step(forward, shape: lm.ModelShape, canary: runner.KvCanary | None):
+    """The user's step as one jit (KV and canary state donated): HEAD, forward, TAIL; the forward alone when off.
+
+    ``fixed`` carries the block tables, positions and the canary batch with everything but ``input_ids``, built
+    on the device once, so a step only swaps in the new tokens (as a serving loop keeps its tables resident).
+    """
+
+    def step(tok, kv, cs, params, fixed):
+        bs = fixed["seq_lens"].shape[0]
+        if canary is not None:
+            batch = dataclasses.replace(fixed["batch"], input_ids=tok)
+            cs = canary.before_forward(cs, batch)
+        nxt, kv = forward(
+            params, kv, tok, fixed["positions"], fixed["out_cache_loc"], fixed["block_tables"], fixed["seq_lens"]
+        )
+        if canary is not None:
+            cs = canary.after_forward(cs, batch, kv_sources(canary, kv, shape))
+        return jnp.broadcast_to(nxt[:, None], (bs, tok.shape[0] // bs)).reshape(-1), kv, cs
+
+    return jax.jit(step, donate_argnums=(1, 2))
 
 
 def run_group(points: list[Point], params, pool: Pool, shape: lm.ModelShape, args, bandwidth: float) -> list[dict]:
@@ -233,56 +250,42 @@ def run_group(points: list[Point], params, pool: Pool, shape: lm.ModelShape, arg
         positions = jnp.tile(jnp.arange(ctx, dtype=jnp.int32), bs)
         out_cache_loc = slots.reshape(-1)
         prefix, extend = 0, ctx
-    seq_lens = jnp.full((bs,), ctx, jnp.int32)
-    forward = _compiled_forward(tuple(sorted(kw.items())))
+    batch = runner.CanaryBatch(
+        req_pool_indices=jnp.arange(1, bs + 1, dtype=jnp.int32),
+        prefix_lens=jnp.full((bs,), prefix, jnp.int32),
+        extend_lens=jnp.full((bs,), extend, jnp.int32),
+        req_to_token=jnp.asarray(req_to_token),
+        input_ids=tokens,
+        positions=positions,
+        out_cache_loc=out_cache_loc,
+    )
+    fixed = dict(
+        positions=positions,
+        out_cache_loc=out_cache_loc,
+        block_tables=block_tables,
+        seq_lens=jnp.full((bs,), ctx, jnp.int32),
+        batch=batch,
+    )
+    forward = functools.partial(lm.forward, **kw)
     steps = args.steps if first.kind == "decode" else args.prefill_steps
-
-    def batch_for(input_ids):
-        return runner.CanaryBatch(
-            req_pool_indices=jnp.arange(1, bs + 1, dtype=jnp.int32),
-            prefix_lens=jnp.full((bs,), prefix, jnp.int32),
-            extend_lens=jnp.full((bs,), extend, jnp.int32),
-            req_to_token=jnp.asarray(req_to_token),
-            input_ids=input_ids,
-            positions=positions,
-            out_cache_loc=out_cache_loc,
-        )
-
-    def next_tokens(nxt):
-        return jnp.broadcast_to(nxt[:, None], (bs, tokens.shape[0] // bs)).reshape(-1)
-
-    def off_step(tok, kv, cs):
-        nxt, kv = forward(params, kv, tok, positions, out_cache_loc, block_tables, seq_lens)
-        return next_tokens(nxt), kv, cs
 
     variants = []
     for point in points:
         if point.mode is None:
-            variants.append(Variant(point, off_step, tokens))
+            variants.append(Variant(point, user_step(forward, shape, None), tokens))
             continue
         canary = make_canary(point, pool.num_pages * PAGE_SIZE, max(bs * ctx, 16), args.tiny)
-        head = jax.jit(canary.before_forward, donate_argnums=(0,))
-
-        def canary_tail(cs, b, kv, canary=canary):
-            return canary.after_forward(cs, b, kv_sources(canary, kv, shape))
-
-        tail = jax.jit(canary_tail, donate_argnums=(0,))
-
-        def on_step(tok, kv, cs, head=head, tail=tail):
-            batch = batch_for(tok)
-            cs = head(cs, batch)
-            nxt, kv = forward(params, kv, tok, positions, out_cache_loc, block_tables, seq_lens)
-            return next_tokens(nxt), kv, tail(cs, batch, kv)
-
         cs = prime_chains(canary, pool, req_to_token, bs, ctx, shape, point)
-        variants.append(Variant(point, on_step, tokens, cs, canary, tail))
+        variants.append(Variant(point, user_step(forward, shape, canary), tokens, cs, canary))
 
     kv = pool.kv
     for v in variants:
-        v.tok, kv, v.cs = warm_up(v.step, (v.tok, kv, v.cs))
+        step = functools.partial(v.jitted, params=params, fixed=fixed)
+        v.tok, kv, v.cs = warm_up(step, (v.tok, kv, v.cs))
     for _ in range(args.repeats):
         for v in variants:
-            seconds, (v.tok, kv, v.cs) = timed_steps(v.step, (v.tok, kv, v.cs), steps)
+            step = functools.partial(v.jitted, params=params, fixed=fixed)
+            seconds, (v.tok, kv, v.cs) = timed_steps(step, (v.tok, kv, v.cs), steps)
             v.seconds.append(seconds)
     pool.kv = kv
 
@@ -301,23 +304,29 @@ def run_group(points: list[Point], params, pool: Pool, shape: lm.ModelShape, arg
                 overflows=int(np.asarray(v.cs.verify_overflows)[0]),
             )
             if v.point.detail:
-                result.update(canary_detail(v, batch_for(tokens), pool, shape, steps, args))
+                result.update(canary_detail(v, params, fixed, pool, shape, steps, args))
+                if off is not None:
+                    off_step = next(o.jitted for o in variants if o.point.mode is None)
+                    lowered = off_step.lower(v.tok, pool.kv, None, params=params, fixed=fixed)
+                    result["hlo_copies_off"] = hlo_copies(lowered, pool.kv, v.cs)
         results.append(finish(result, v.point, shape, bandwidth))
         v.cs = None
     return results
 
 
-def canary_detail(v: Variant, batch, pool: Pool, shape, steps: int, args) -> dict:
-    """HLO copy count of the TAIL launch, canary-only time per step (HEAD + TAIL in one jit), optional profile."""
-    copies = hlo_copies(v.tail, v.cs, batch, pool.kv)
+def canary_detail(v: Variant, params, fixed: dict, pool: Pool, shape, steps: int, args) -> dict:
+    """HLO copy count of the compiled step, canary-only time per step (HEAD + TAIL in one jit), optional profile."""
+    copies = hlo_copies(v.jitted.lower(v.tok, pool.kv, v.cs, params=params, fixed=fixed), pool.kv, v.cs)
     only_step = jax.jit(canary_only(v.canary, shape), donate_argnums=(0,))
     only = lambda cs, b, kv: (only_step(cs, b, kv), b, kv)  # noqa: E731
-    carry = warm_up(only, (v.cs, batch, pool.kv))
+    carry = warm_up(only, (v.cs, fixed["batch"], pool.kv))
     seconds = []
     for _ in range(args.repeats):
         elapsed, carry = timed_steps(only, carry, steps)
         seconds.append(elapsed)
     if args.profile_steps:
+        with open(os.path.join(args.out, "canary_only_hlo.txt"), "w") as f:  # names the profile's fusions
+            f.write(only_step.lower(*carry).compile().as_text())
         summary, carry = profile_steps(only, carry, args.profile_steps, args.out)
         print(summary, flush=True)
     v.cs = carry[0]
@@ -350,14 +359,14 @@ def prime_chains(canary, pool: Pool, req_to_token, bs: int, ctx: int, shape, poi
     return canary.mark_init_finished(state)
 
 
-def hlo_copies(tail, cstate, batch, kv) -> int:
-    """Copies of the KV pool or a canary buffer in the compiled TAIL launch (should be 0)."""
-    text = tail.lower(cstate, batch, kv).compile().as_text()
+def hlo_copies(lowered, kv, cstate) -> list[str]:
+    """Copies of the KV pool or a canary buffer in a compiled step (the canary should add none), as HLO lines."""
+    text = lowered.compile().as_text()
     big = {
         str(tuple(kv[0].shape)).replace(" ", "").strip("()"),
         str(tuple(cstate.full.k_tail.shape)).replace(" ", "").strip("()"),
     }
-    return sum(1 for line in text.splitlines() if " copy(" in line and any(b in line for b in big))
+    return [line.strip()[:160] for line in text.splitlines() if " copy(" in line and any(b in line for b in big)]
 
 
 def profile_steps(step, carry, steps: int, out: str) -> tuple[str, object]:
@@ -491,7 +500,7 @@ def main() -> None:
     results = []
     with open(os.path.join(args.out, "decode_overhead.jsonl"), "w") as log:
         groups = [list(g) for _, g in itertools.groupby(points, key=lambda p: (p.kind, p.bs, p.ctx))]
-        shown = ("overhead_pct", "violations", "hlo_copies", "canary_only_s", "roofline_fraction")
+        shown = ("overhead_pct", "violations", "hlo_copies", "hlo_copies_off", "canary_only_s", "roofline_fraction")
         for i, group in enumerate(groups):
             start = time.perf_counter()
             for result in run_group(group, params, pool, shape, args, bandwidth):

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvcanary_jax import ops, plans, pool, sweep, validation
+from kvcanary_jax import ops, plans, pool, ring, sweep, validation
 from kvcanary_jax.config import CanaryConfig
 from kvcanary_jax.constants import CanaryLaunchTag, RealKvHashMode
 from kvcanary_jax.state import CanaryDeviceState, ViolationLog, allocate_canary_buffer
@@ -308,19 +308,44 @@ class KvCanary:
             expected = {"expected_input_tokens": batch.expected_input_ids, "expected_input_positions": positions}
         out_cache_loc = plans.translate(batch.out_cache_loc, lut)
         buffers, device = state.buffers(g), state.device
-        for half in self.halves:
-            buf = buffers.head(half) if phase == "HEAD" else buffers.tail(half)
-            kw = {
-                "tag": g.tag(phase, half),
-                "real_kv_sources": sources.get(g, half),
+        buf = {h: buffers.head(h) if phase == "HEAD" else buffers.tail(h) for h in self.halves}
+        kw = {
+            h: {
+                "tag": g.tag(phase, h),
+                "real_kv_sources": sources.get(g, h),
                 "real_kv_hash_mode": self.config.real_kv_hash_mode,
                 "backend": self.config.backend,
             }
-            device = ops.canary_verify(device, buf, verify_plan, check_expected_token=pool_tokens is not None, **kw)
-            buf, device = ops.canary_write(
-                device, buf, write_plan, batch.input_ids, batch.positions, out_cache_loc, **expected, **kw
+            for h in self.halves
+        }
+        # Every verify reads its buffer before any write of the phase; their rows come out of one prefix sum and
+        # are gathered before the in-place stores, and all rows land in the ring at once, in SGLang's launch order
+        # (verify K, write K, verify V, write V). Fewer, larger launches: the step pays per launch, not per byte.
+        verifies = [
+            ops.verify_launch(device, buf[h], verify_plan, check_expected_token=pool_tokens is not None, **kw[h])
+            for h in self.halves
+        ]
+        verify_rows = ring.first_rows([v.row_source for v in verifies], device.violation_log.ring_capacity)
+        store_after = ring.after(*(p.rows for p in verify_rows))
+        writes = []
+        for h in self.halves:
+            buf[h], launch = ops.write_launch(
+                device,
+                buf[h],
+                write_plan,
+                batch.input_ids,
+                batch.positions,
+                out_cache_loc,
+                store_after=store_after,
+                **expected,
+                **kw[h],
             )
-            buffers = buffers.with_buffer(phase, half, buf)
+            buffers = buffers.with_buffer(phase, h, buf[h])
+            writes.append(launch)
+        write_rows = ring.first_rows([w.row_source for w in writes], device.violation_log.ring_capacity)
+        in_launch_order = [p for pair in zip(verify_rows, write_rows, strict=True) for p in pair]
+        launches = [x for pair in zip(verifies, writes, strict=True) for x in pair]
+        device = ops.apply(device, in_launch_order, launches)
         # Only the HEAD pass counts overflows: the TAIL pass rebuilds the identical plan.
         overflows = state.verify_overflows + (1 - verify_plan.enable if phase == "HEAD" else 0)
         return dataclasses.replace(state, device=device, verify_overflows=overflows, **{g.name: buffers})

@@ -3,6 +3,9 @@
 import dataclasses
 import re
 
+import hypothesis
+import hypothesis.strategies as st
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from canary_testlib import (
@@ -27,6 +30,7 @@ from canary_testlib import (
 )
 
 import kvcanary_jax as kc
+from kvcanary_jax import ring
 
 # SPEC §2 "Log line": SGLang's frozen first line.
 FIRST_LINE = re.compile(
@@ -197,3 +201,39 @@ def test_report_of_a_real_ring_formats_and_raises():
     err = kc.KvCanaryViolationError(report)
     assert isinstance(err, RuntimeError) and err.report is report
     assert str(err) == "\n".join(report.format())
+
+
+def _spec_append(ring, index, flags, rows):
+    """SPEC §2's emulation of the atomic append, literally: exclusive prefix sum, then a scatter of entry ids with
+    ``mode="drop"`` and sentinel = capacity; ``rows[e]`` is entry e's row."""
+    capacity = ring.shape[0]
+    ones = flags.astype(np.int64)
+    exclusive = np.cumsum(ones) - ones
+    room = min(max(capacity - index, 0), capacity)
+    target = np.where(flags & (exclusive < room), index + exclusive, capacity)
+    out = ring.copy()
+    for entry, row in enumerate(target):
+        if row < capacity:
+            out[row] = rows[entry]
+    return out, min(index + int(ones.sum()), INT32_MAX)
+
+
+@hypothesis.settings(max_examples=40, deadline=None)
+@hypothesis.given(
+    capacity=st.integers(1, 12),
+    index=st.one_of(st.integers(0, 16), st.just(INT32_MAX - 3)),
+    launches=st.lists(st.lists(st.booleans(), min_size=0, max_size=30), min_size=1, max_size=3),
+)
+def test_batched_appends_match_the_spec_scatter_form(capacity, index, launches):
+    """Several launches appended at once (``first_rows`` + ``place``) equal SPEC's scatter, launch after launch."""
+    old = np.full((capacity, 8, 2), 7, np.uint32)
+    log = kc.ViolationLog(violation_ring=jnp.asarray(old), violation_write_index=jnp.asarray([index], jnp.int32))
+    want_ring, want_index, sources = old, index, []
+    for n, flags in enumerate(launches):
+        flags = np.asarray(flags, bool)
+        rows = (np.arange(flags.size * 16, dtype=np.uint32).reshape(flags.size, 8, 2) + 1000 * n).astype(np.uint32)
+        want_ring, want_index = _spec_append(want_ring, want_index, flags, rows)
+        sources.append((jnp.asarray(flags), lambda entry, rows=rows: jnp.asarray(rows)[entry]))
+    new = ring.place(log, ring.first_rows(sources, capacity))
+    np.testing.assert_array_equal(np.asarray(new.violation_ring), want_ring)
+    assert int(new.violation_write_index[0]) == want_index

@@ -2,11 +2,13 @@
 
 import dataclasses
 
+import chex
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from runner_testlib import TINY_CANARY, TINY_CONFIG, TINY_LAYOUT, TINY_SCHED, TINY_STEP, tiny_build
 
+import kvcanary_jax as kc
 from kvcanary_jax import CanaryConfig, CanaryLaunchTag, FailReason, hashing, read_violations, records_as_int64
 from kvcanary_jax.demo import batch as batch_lib
 from kvcanary_jax.pool import CanaryPool, KvSources, SwaGroup
@@ -198,3 +200,59 @@ def test_chain_position_assert_is_a_device_flag(armed):
 
 def test_tiny_configuration_is_what_the_tests_assume():
     assert TINY_CANARY.config == TINY_CONFIG and TINY_CANARY.pool.swa is None and TINY_CANARY.pool.with_v
+
+
+@pytest.mark.parametrize("ring_capacity", [8, 64], ids=["overflows-mid-phase", "room-for-all"])
+@pytest.mark.parametrize("backend", ["xla", "interpret"])
+def test_a_phase_equals_sglangs_launch_sequence(ring_capacity, backend):
+    """The runner batches a phase's ring appends; ring, index, counters and buffers must equal the public ops run
+    one launch at a time in SGLang's order (verify K, write K, verify V, write V), overflow included."""
+    canary = KvCanary(
+        CanaryConfig(mode="log", ring_capacity=ring_capacity, enable_write_input_assert=True, backend=backend),
+        CanaryPool(num_slots=64, page_size=4, verify_capacity=16),
+    )
+    state = canary.mark_init_finished(canary.init_state())
+    rng = np.random.default_rng(0)
+    # Random records: every verified entry fails, so both verifies append, and the K and V rows differ.
+    full = state.full
+    k_head = jnp.asarray(rng.integers(0, 2**32, full.k_head.shape, dtype=np.uint32))
+    v_head = jnp.asarray(rng.integers(0, 2**32, full.v_head.shape, dtype=np.uint32))
+    state = dataclasses.replace(state, full=dataclasses.replace(full, k_head=k_head, v_head=v_head))
+    req_to_token = np.zeros((4, 8), np.int32)
+    req_to_token[1, :4], req_to_token[2, :3] = [5, 9, 13, 17], [6, 10, 14]
+    batch = CanaryBatch(
+        req_pool_indices=np.array([1, 2, 0], np.int32),
+        prefix_lens=np.array([3, 2, 0], np.int32),
+        extend_lens=np.array([1, 1, 0], np.int32),
+        req_to_token=req_to_token,
+        input_ids=np.array([7, 8], np.int32),
+        positions=np.array([3, 2], np.int32),
+        out_cache_loc=np.array([17, 14], np.int32),
+        expected_input_ids=np.array([7, 1], np.int32),  # the second token fails the input assert
+    )
+    got = canary.before_forward(state, batch)
+
+    verify_plan, write_plan = kc.build_plans(
+        *(jnp.asarray(x) for x in (batch.req_pool_indices, batch.prefix_lens, batch.extend_lens, req_to_token)),
+        verify_capacity=16,
+        write_req_capacity=3,
+    )
+    device, bufs = state.device, {"K": k_head, "V": v_head}
+    tokens = (jnp.asarray(batch.input_ids), jnp.asarray(batch.positions), jnp.asarray(batch.out_cache_loc))
+    for half in ("K", "V"):
+        tag = T[f"HEAD_{half}_FULL"]
+        device = kc.canary_verify(device, bufs[half], verify_plan, tag=tag, backend=backend)
+        bufs[half], device = kc.canary_write(
+            device,
+            bufs[half],
+            write_plan,
+            *tokens,
+            tag=tag,
+            expected_input_tokens=jnp.asarray(batch.expected_input_ids),
+            expected_input_positions=tokens[1],
+            backend=backend,
+        )
+    # Per half: 5 verified entries fail; the write has 1 input-assert row and 2 chain-position rows (random seeds).
+    assert int(device.violation_log.violation_write_index[0]) == 2 * (5 + 1 + 2)
+    chex.assert_trees_all_equal(got.device, device)
+    chex.assert_trees_all_equal((got.full.k_head, got.full.v_head), (bufs["K"], bufs["V"]))
