@@ -7,8 +7,8 @@ Points of one step shape run in interleaved rounds (off, on, ..., off, on, ...):
 async loop (``--steps`` steps after warm-up, one sync at the end) per variant, so clock and temperature drift hits
 all variants alike. Overhead is the median over ``--repeats`` rounds of (on / off of the same round - 1). The step is
 the user's view, one jit with the KV cache and canary state donated: ``canary.before_forward`` (HEAD plans, verify,
-write), the model forward over the paged cache, ``canary.after_forward`` (TAIL verify and write with the layer-0
-K/V real-KV fold). Results stream to
+write), the model forward over the paged cache between two ``kvcanary_jax.fence`` barriers (``--no-fence`` drops
+them), ``canary.after_forward`` (TAIL verify and write with the layer-0 K/V real-KV fold). Results stream to
 ``<out>/decode_overhead.jsonl``; the table is printed at the end and ``<out>/overhead.png`` plots overhead against
 batch and context. The detail point also times the canary alone and writes ``<out>/profile_summary.md``; XLA:GPU
 runs a jit as one CUDA graph, so profile with ``XLA_FLAGS=--xla_gpu_enable_command_buffer=`` to see its kernels.
@@ -207,11 +207,13 @@ class Variant:
     seconds: list = dataclasses.field(default_factory=list)
 
 
-def user_step(forward, shape: lm.ModelShape, canary: runner.KvCanary | None):
+def user_step(forward, shape: lm.ModelShape, canary: runner.KvCanary | None, fence: bool):
     """The user's step as one jit (KV and canary state donated): HEAD, forward, TAIL; the forward alone when off.
 
     ``fixed`` carries the block tables, positions and the canary batch with everything but ``input_ids``, built
     on the device once, so a step only swaps in the new tokens (as a serving loop keeps its tables resident).
+    ``fence`` wraps the forward in :func:`kvcanary_jax.fence` as the runner's usage does, so XLA cannot schedule
+    canary launches inside it.
     """
 
     def step(tok, kv, cs, params, fixed):
@@ -219,10 +221,14 @@ def user_step(forward, shape: lm.ModelShape, canary: runner.KvCanary | None):
         if canary is not None:
             batch = dataclasses.replace(fixed["batch"], input_ids=tok)
             cs = canary.before_forward(cs, batch)
+            if fence:
+                cs, kv = kc.fence(cs, kv)
         nxt, kv = forward(
             params, kv, tok, fixed["positions"], fixed["out_cache_loc"], fixed["block_tables"], fixed["seq_lens"]
         )
         if canary is not None:
+            if fence:
+                cs, kv = kc.fence(cs, kv)
             cs = canary.after_forward(cs, batch, kv_sources(canary, kv, shape))
         return jnp.broadcast_to(nxt[:, None], (bs, tok.shape[0] // bs)).reshape(-1), kv, cs
 
@@ -272,11 +278,11 @@ def run_group(points: list[Point], params, pool: Pool, shape: lm.ModelShape, arg
     variants = []
     for point in points:
         if point.mode is None:
-            variants.append(Variant(point, user_step(forward, shape, None), tokens))
+            variants.append(Variant(point, user_step(forward, shape, None, fence=False), tokens))
             continue
         canary = make_canary(point, pool.num_pages * PAGE_SIZE, max(bs * ctx, 16), args.tiny)
         cs = prime_chains(canary, pool, req_to_token, bs, ctx, shape, point)
-        variants.append(Variant(point, user_step(forward, shape, canary), tokens, cs, canary))
+        variants.append(Variant(point, user_step(forward, shape, canary, fence=not args.no_fence), tokens, cs, canary))
 
     kv = pool.kv
     for v in variants:
@@ -294,6 +300,7 @@ def run_group(points: list[Point], params, pool: Pool, shape: lm.ModelShape, arg
     for v in variants:
         result = dict(dataclasses.asdict(v.point), label=v.point.label, step_s=statistics.median(v.seconds))
         if v.point.mode is not None:
+            result["fence"] = not args.no_fence
             if off is not None:
                 ratios = [100 * (on / base - 1) for on, base in zip(v.seconds, off, strict=True)]
                 result.update(overhead_pct=statistics.median(ratios), overhead_range=[min(ratios), max(ratios)])
@@ -412,9 +419,9 @@ def write_outputs(results: list[dict], out: str, header: dict) -> str:
         f"Card: {header['device']}; jax {header['jax']}; {header['date']}; copy bandwidth "
         f"{header['copy_bw'] / 1e12:.2f} TB/s; model {header['model']}",
         "",
-        "| step | bs | ctx | canary | backend | step ms | overhead % (min..max) | canary-only ms | extra MB/step | "
-        "roofline (off) | violations |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| step | bs | ctx | canary | backend | fence | step ms | overhead % (min..max) | canary-only ms | "
+        "extra MB/step | roofline (off) | violations |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         over = ""
@@ -424,8 +431,9 @@ def write_outputs(results: list[dict], out: str, header: dict) -> str:
         canary = "off" if r["mode"] is None else f"{r['mode']} {r['halves']}"
         only = f"{1e3 * r['canary_only_s']:.3f}" if "canary_only_s" in r else ""
         roof = f"{100 * r['roofline_fraction']:.0f}%" if r["mode"] is None else ""
+        fence = {True: "yes", False: "no"}.get(r.get("fence"), "")
         lines.append(
-            f"| {r['kind']} | {r['bs']} | {r['ctx']} | {canary} | {r['backend'] if r['mode'] else ''} | "
+            f"| {r['kind']} | {r['bs']} | {r['ctx']} | {canary} | {r['backend'] if r['mode'] else ''} | {fence} | "
             f"{1e3 * r['step_s']:.3f} | {over} | {only} | {r['canary_bytes'] / 1e6:.1f} | {roof} | "
             f"{r.get('violations', '')} |"
         )
@@ -446,18 +454,17 @@ def plot(results, path):
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4))
-    for ctx in sorted({r["ctx"] for r in results if r["kind"] == "decode"}):
-        pts = sorted(
-            (r["bs"], r["overhead_pct"], *r["overhead_range"])
-            for r in results
-            if r["kind"] == "decode"
-            and r["ctx"] == ctx
-            and (r["mode"], r["halves"], r["backend"]) == ("partial", "K+V", "pallas")
-            and "overhead_pct" in r
-        )
-        if pts:
-            bs, mid, low, high = (np.array(column) for column in zip(*pts, strict=True))
-            ax.errorbar(bs, mid, yerr=[mid - low, high - mid], fmt="o-", capsize=3, label=f"decode, context {ctx}")
+    series = collections.defaultdict(list)
+    for r in results:
+        if r["kind"] == "decode" and (r["mode"], r["halves"], r["backend"]) == ("partial", "K+V", "pallas"):
+            if "overhead_pct" in r:
+                series[r["ctx"], r.get("fence", True)].append((r["bs"], r["overhead_pct"], *r["overhead_range"]))
+    color = {ctx: f"C{i}" for i, ctx in enumerate(sorted({ctx for ctx, _ in series}))}
+    for (ctx, fenced), pts in sorted(series.items()):
+        bs, mid, low, high = (np.array(column) for column in zip(*sorted(pts), strict=True))
+        label = f"decode, context {ctx}" + ("" if fenced else ", no fence")
+        style = dict(fmt="o-", capsize=3, color=color[ctx]) if fenced else dict(fmt="s:", capsize=3, color=color[ctx])
+        ax.errorbar(bs, mid, yerr=[mid - low, high - mid], label=label, **style)
     ax.axhline(1.0, color="grey", ls="--", lw=0.8, label="1% budget")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("batch size")
@@ -477,6 +484,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--profile-steps", type=int, default=20, help="steps traced on the detail point (0: none)")
     parser.add_argument("--only", type=int, nargs="*", help="indices into the point list")
+    parser.add_argument("--no-fence", action="store_true", help="no kvcanary_jax.fence around the forward")
+    parser.add_argument("--detail", action="store_true", help="copy check and canary-only time on every canary point")
     args = parser.parse_args()
     if args.tiny:
         args.steps, args.prefill_steps, args.repeats = min(args.steps, 3), 2, 1
@@ -485,6 +494,8 @@ def main() -> None:
     points = default_points(args.tiny)
     if args.only is not None:
         points = [points[i] for i in args.only]
+    if args.detail:
+        points = [dataclasses.replace(p, detail=p.mode is not None) for p in points]
     max_tokens = max(p.bs * p.ctx for p in points)
     bandwidth = copy_bandwidth(1 << 24 if args.tiny else 4 << 30)
     header = dict(

@@ -29,6 +29,7 @@ from kvcanary_jax.report import read_violations as read_violations
 from kvcanary_jax.runner import CanaryBatch as CanaryBatch
 from kvcanary_jax.runner import CanaryState as CanaryState
 from kvcanary_jax.runner import KvCanary as KvCanary
+from kvcanary_jax.runner import fence as fence
 from kvcanary_jax.state import CanaryDeviceState as CanaryDeviceState
 from kvcanary_jax.state import ViolationLog as ViolationLog
 from kvcanary_jax.state import allocate_canary_buffer as allocate_canary_buffer
@@ -61,6 +62,7 @@ __all__ = [
     "CanaryMode",
     "FailReason",
     "KvCanaryViolationError",
+    "fence",
     "PoolKind",
     "RealKvHashMode",
     "RealKvSource",

@@ -1,4 +1,9 @@
-"""``canary_verify`` and ``canary_write``: validate, run the backend op, append violations, bump counters."""
+"""``canary_verify`` and ``canary_write``: validate, run the backend op, append violations, bump counters.
+
+Each op is a launch (``verify_launch`` / ``write_launch``: validate and run, leaving the state alone) plus
+``commit`` (append its rows, bump its counters). The runner calls the halves itself, so that all launches of one
+phase share one prefix sum and one ring update (``apply``); the ring bytes are the same either way.
+"""
 
 from __future__ import annotations
 

@@ -9,7 +9,9 @@ Usage (TP over ``"tp"``, DP over ``"dp"``; ``batch`` and the KV cache carry one 
     def shard_step(params, kv_cache, canary_state, batch):
         batch, kv_cache = local((batch, kv_cache), layout.data_spec)   # this shard's batch and KV heads
         canary_state = sharded.before_forward(canary_state, batch)
+        canary_state, kv_cache = fence(canary_state, kv_cache)         # keep the canary out of the forward
         logits, kv_cache = forward(params, kv_cache, batch)            # the TP forward (psum over "tp")
+        canary_state, kv_cache = fence(canary_state, kv_cache)
         sources = sharded.canary.kv_sources(full_k=kv_cache.k[0], full_v=kv_cache.v[0])
         canary_state = sharded.after_forward(canary_state, batch, sources)  # TAIL + cross-shard check
         return stacked((logits, kv_cache), layout.data_spec), canary_state

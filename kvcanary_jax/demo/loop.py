@@ -49,7 +49,9 @@ def demo_step(
     """
     view = batch.canary()
     canary_state = canary.before_forward(canary_state, view)
+    canary_state, kv_cache = runner.fence(canary_state, kv_cache)
     logits, kv_cache = model.forward(params, kv_cache, batch)
+    canary_state, kv_cache = runner.fence(canary_state, kv_cache)
     canary_state = canary.after_forward(canary_state, view, kv_sources(canary, layout, kv_cache))
     next_tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # greedy; padding rows give token 0
     return next_tokens, logits, kv_cache, canary_state

@@ -3,6 +3,7 @@
 import dataclasses
 
 import chex
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -256,3 +257,12 @@ def test_a_phase_equals_sglangs_launch_sequence(ring_capacity, backend):
     assert int(device.violation_log.violation_write_index[0]) == 2 * (5 + 1 + 2)
     chex.assert_trees_all_equal(got.device, device)
     chex.assert_trees_all_equal((got.full.k_head, got.full.v_head), (bufs["K"], bufs["V"]))
+
+
+def test_fence_passes_values_through_behind_a_barrier():
+    """``fence`` changes no value, and the compiled step keeps the barrier that orders the forward."""
+    state, kv = TINY_CANARY.init_state(), jnp.arange(6.0)
+    fenced = kc.fence(state, kv)
+    chex.assert_trees_all_equal(fenced, (state, kv))
+    text = jax.jit(lambda s, x: kc.fence(s, x * 2)).lower(state, kv).as_text()
+    assert "optimization_barrier" in text
