@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from kvcanary_jax.state import ViolationLog
@@ -63,23 +64,16 @@ def first_rows(launches: Sequence[tuple[jax.Array, RowBuilder]], capacity: int) 
     """
     flat = [flags.reshape(-1) for flags, _ in launches]
     sizes = [f.shape[0] for f in flat]
-    if sum(sizes) == 0:
-        return [PendingRows(jnp.zeros((), jnp.int32), jnp.zeros((capacity, 8, 2), jnp.uint32)) for _ in flat]
     ones = jnp.concatenate(flat).astype(jnp.int32)
-    exclusive = jnp.cumsum(ones) - ones
+    set_before = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(ones)])  # set flags before each entry
+    bounds = np.cumsum([0, *sizes])  # static launch boundaries
+    at_bounds = set_before[bounds]
+    counts = at_bounds[1:] - at_bounds[:-1]
     launch = jnp.concatenate([jnp.full((n,), i, jnp.int32) for i, n in enumerate(sizes)])
-    starts = [sum(sizes[:i]) for i in range(len(sizes))]
-    before = jnp.stack([exclusive[s] if n else jnp.int32(0) for s, n in zip(starts, sizes, strict=True)])
-    counts = jnp.stack(
-        [
-            exclusive[s + n - 1] + ones[s + n - 1] - exclusive[s] if n else jnp.int32(0)
-            for s, n in zip(starts, sizes, strict=True)
-        ]
-    )
-    rank = exclusive - before[launch]
+    rank = set_before[:-1] - at_bounds[:-1][launch]  # exclusive prefix sum within the launch
     dropped = len(sizes) * capacity
     target = jnp.where((ones != 0) & (rank < capacity), launch * capacity + rank, dropped)
-    local = jnp.arange(ones.shape[0], dtype=jnp.int32) - jnp.asarray(starts, jnp.int32)[launch]
+    local = jnp.arange(ones.shape[0], dtype=jnp.int32) - jnp.asarray(bounds[:-1], jnp.int32)[launch]
     entries = jnp.zeros((dropped,), jnp.int32).at[target].set(local, mode="drop").reshape(len(sizes), capacity)
     pending = []
     for i, ((_, build_rows), size) in enumerate(zip(launches, sizes, strict=True)):
