@@ -285,17 +285,18 @@ def run_group(points: list[Point], params, pool: Pool, shape: lm.ModelShape, arg
         variants.append(Variant(point, user_step(forward, shape, canary, fence=not args.no_fence), tokens, cs, canary))
 
     kv = pool.kv
-    for v in variants:
-        step = functools.partial(v.jitted, params=params, fixed=fixed)
+    bound = [functools.partial(v.jitted, params=params, fixed=fixed) for v in variants]
+    for v, step in zip(variants, bound, strict=True):
         v.tok, kv, v.cs = warm_up(step, (v.tok, kv, v.cs))
     for _ in range(args.repeats):
-        for v in variants:
-            step = functools.partial(v.jitted, params=params, fixed=fixed)
+        for v, step in zip(variants, bound, strict=True):
             seconds, (v.tok, kv, v.cs) = timed_steps(step, (v.tok, kv, v.cs), steps)
             v.seconds.append(seconds)
     pool.kv = kv
 
-    off = next((v.seconds for v in variants if v.point.mode is None), None)
+    off_variant = next((v for v in variants if v.point.mode is None), None)
+    off = off_variant.seconds if off_variant else None
+    off_copies = None  # the off-step's copies, compiled once per group for the first detail point
     results = []
     for v in variants:
         result = dict(dataclasses.asdict(v.point), label=v.point.label, step_s=statistics.median(v.seconds))
@@ -312,10 +313,11 @@ def run_group(points: list[Point], params, pool: Pool, shape: lm.ModelShape, arg
             )
             if v.point.detail:
                 result.update(canary_detail(v, params, fixed, pool, shape, steps, args))
-                if off is not None:
-                    off_step = next(o.jitted for o in variants if o.point.mode is None)
-                    lowered = off_step.lower(v.tok, pool.kv, None, params=params, fixed=fixed)
-                    result["hlo_copies_off"] = hlo_copies(lowered, pool.kv, v.cs)
+                if off_variant is not None:
+                    if off_copies is None:
+                        lowered = off_variant.jitted.lower(v.tok, pool.kv, None, params=params, fixed=fixed)
+                        off_copies = hlo_copies(lowered, pool.kv, v.cs)
+                    result["hlo_copies_off"] = off_copies
         results.append(finish(result, v.point, shape, bandwidth))
         v.cs = None
     return results
