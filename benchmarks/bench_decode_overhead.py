@@ -39,8 +39,6 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import llama_model as lm  # noqa: E402
 
 import kvcanary_jax as kc  # noqa: E402
-from kvcanary_jax import pool as kc_pool  # noqa: E402
-from kvcanary_jax import runner  # noqa: E402
 
 PAGE_SIZE = 16
 
@@ -131,25 +129,25 @@ def attention_kw(ctx: int, tiny: bool) -> tuple:
     return (("k_splits", splits), ("pages_per_compute_block", per_block))
 
 
-def make_canary(point: Point, num_slots: int, verify_capacity: int, tiny: bool) -> runner.KvCanary:
+def make_canary(point: Point, num_slots: int, verify_capacity: int, tiny: bool) -> kc.KvCanary:
     backend = "auto" if tiny and point.backend == "pallas" else point.backend  # no Triton on the CPU smoke test
     config = kc.CanaryConfig(mode="log", real_kv_hash_mode=point.mode, backend=backend, ring_capacity=1024)
-    return runner.KvCanary(
+    return kc.KvCanary(
         config,
-        kc_pool.CanaryPool(
+        kc.CanaryPool(
             num_slots=num_slots, page_size=PAGE_SIZE, with_v=point.halves == "K+V", verify_capacity=verify_capacity
         ),
     )
 
 
-def kv_sources(canary: runner.KvCanary, kv, shape: lm.ModelShape):
+def kv_sources(canary: kc.KvCanary, kv, shape: lm.ModelShape):
     """Layer 0's K and V rows: page axis ``kv_heads * layers * pages`` (a free reshape); head 0 comes first, so
     slot ``s`` maps to layer 0, head 0 page ``s // 16``. ALL folds that head's 256-byte row."""
     flat = lambda a: kc.RealKvSource(a.reshape(-1, PAGE_SIZE, shape.head_dim), page_size=PAGE_SIZE)  # noqa: E731
     return canary.kv_sources(full_k=flat(kv[0]), full_v=flat(kv[1]) if canary.pool.with_v else None)
 
 
-def canary_only(canary: runner.KvCanary, shape: lm.ModelShape):
+def canary_only(canary: kc.KvCanary, shape: lm.ModelShape):
     """HEAD then TAIL with no forward in between: primes the chains, and times and profiles the canary alone."""
 
     def canary_only_step(cs, b, kv):
@@ -203,11 +201,11 @@ class Variant:
     jitted: object
     tok: jax.Array
     cs: object = None
-    canary: runner.KvCanary | None = None
+    canary: kc.KvCanary | None = None
     seconds: list = dataclasses.field(default_factory=list)
 
 
-def user_step(forward, shape: lm.ModelShape, canary: runner.KvCanary | None, fence: bool):
+def user_step(forward, shape: lm.ModelShape, canary: kc.KvCanary | None, fence: bool):
     """The user's step as one jit (KV and canary state donated): HEAD, forward, TAIL; the forward alone when off.
 
     ``fixed`` carries the block tables, positions and the canary batch with everything but ``input_ids``, built
@@ -256,7 +254,7 @@ def run_group(points: list[Point], params, pool: Pool, shape: lm.ModelShape, arg
         positions = jnp.tile(jnp.arange(ctx, dtype=jnp.int32), bs)
         out_cache_loc = slots.reshape(-1)
         prefix, extend = 0, ctx
-    batch = runner.CanaryBatch(
+    batch = kc.CanaryBatch(
         req_pool_indices=jnp.arange(1, bs + 1, dtype=jnp.int32),
         prefix_lens=jnp.full((bs,), prefix, jnp.int32),
         extend_lens=jnp.full((bs,), extend, jnp.int32),
@@ -355,7 +353,7 @@ def prime_chains(canary, pool: Pool, req_to_token, bs: int, ctx: int, shape, poi
     """Writes HEAD and TAIL records for every cached position (0..ctx-2) as one prefill would, real KV included."""
     state = canary.init_state()
     cached = ctx - 1 if point.kind == "decode" else ctx
-    batch = runner.CanaryBatch(
+    batch = kc.CanaryBatch(
         req_pool_indices=jnp.arange(1, bs + 1, dtype=jnp.int32),
         prefix_lens=jnp.zeros((bs,), jnp.int32),
         extend_lens=jnp.full((bs,), cached, jnp.int32),

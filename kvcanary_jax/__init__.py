@@ -1,81 +1,124 @@
-"""kvcanary-jax: SGLang's KV-cache canary for JAX decode loops."""
+"""kvcanary-jax: SGLang's KV-cache canary for JAX decode loops.
 
-from kvcanary_jax.config import CanaryConfig as CanaryConfig
-from kvcanary_jax.constants import ANCHOR_HASH as ANCHOR_HASH
-from kvcanary_jax.constants import CANARY_CHAIN_ANCHOR as CANARY_CHAIN_ANCHOR
-from kvcanary_jax.constants import CANARY_FIELDS_PER_SLOT as CANARY_FIELDS_PER_SLOT
-from kvcanary_jax.constants import NUM_LAUNCH_TAGS as NUM_LAUNCH_TAGS
-from kvcanary_jax.constants import VIOLATION_FIELDS as VIOLATION_FIELDS
-from kvcanary_jax.constants import CanaryLaunchTag as CanaryLaunchTag
-from kvcanary_jax.constants import CanaryMode as CanaryMode
-from kvcanary_jax.constants import FailReason as FailReason
-from kvcanary_jax.constants import PoolKind as PoolKind
-from kvcanary_jax.constants import RealKvHashMode as RealKvHashMode
-from kvcanary_jax.health import KvCanaryHealthError as KvCanaryHealthError
-from kvcanary_jax.monitor import CanaryMonitor as CanaryMonitor
-from kvcanary_jax.ops import canary_verify as canary_verify
-from kvcanary_jax.ops import canary_write as canary_write
-from kvcanary_jax.plans import VerifyPlan as VerifyPlan
-from kvcanary_jax.plans import WritePlan as WritePlan
-from kvcanary_jax.plans import build_plans as build_plans
-from kvcanary_jax.pool import CanaryPool as CanaryPool
-from kvcanary_jax.pool import KvSources as KvSources
-from kvcanary_jax.pool import SwaGroup as SwaGroup
-from kvcanary_jax.report import KvCanaryViolationError as KvCanaryViolationError
-from kvcanary_jax.report import Violation as Violation
-from kvcanary_jax.report import ViolationReport as ViolationReport
-from kvcanary_jax.report import format_violation as format_violation
-from kvcanary_jax.report import read_violations as read_violations
-from kvcanary_jax.runner import CanaryBatch as CanaryBatch
-from kvcanary_jax.runner import CanaryState as CanaryState
-from kvcanary_jax.runner import KvCanary as KvCanary
-from kvcanary_jax.runner import fence as fence
-from kvcanary_jax.state import CanaryDeviceState as CanaryDeviceState
-from kvcanary_jax.state import ViolationLog as ViolationLog
-from kvcanary_jax.state import allocate_canary_buffer as allocate_canary_buffer
-from kvcanary_jax.state import records_as_int64 as records_as_int64
-from kvcanary_jax.sweep import SweepEntries as SweepEntries
-from kvcanary_jax.sweep import SweepPlan as SweepPlan
-from kvcanary_jax.sweep import walk_prefix_tree as walk_prefix_tree
-from pallas_kernels.realkv import RealKvSource as RealKvSource
+The public surface, by tier (see ``__all__``): wrap a decode loop; run it on a mesh; SGLang-compatible ops and
+plans; read reports; constants. ``kvcanary_jax.testing`` holds what a user's test suite needs.
+"""
+
+from kvcanary_jax.core import (
+    ANCHOR_HASH,
+    CANARY_CHAIN_ANCHOR,
+    CANARY_FIELDS_PER_SLOT,
+    NUM_LAUNCH_TAGS,
+    VIOLATION_FIELDS,
+    CanaryConfig,
+    CanaryDeviceState,
+    CanaryLaunchTag,
+    CanaryMode,
+    FailReason,
+    Half,
+    KvCanaryViolationError,
+    Phase,
+    PoolKind,
+    RealKvHashMode,
+    RealKvSource,
+    VerifyPlan,
+    Violation,
+    ViolationLog,
+    ViolationReport,
+    WritePlan,
+    allocate_canary_buffer,
+    build_plans,
+    canary_verify,
+    canary_write,
+    format_violation,
+    launch_tag,
+    read_violations,
+    records_as_int64,
+)
+from kvcanary_jax.runtime import (
+    CanaryBatch,
+    CanaryMonitor,
+    CanaryPool,
+    CanaryState,
+    KvCanary,
+    KvCanaryHealthError,
+    KvSources,
+    ObservedViolation,
+    SwaGroup,
+    SweepEntries,
+    SweepPlan,
+    fence,
+    walk_prefix_tree,
+)
+from kvcanary_jax.sharded import (
+    DeviceObservedViolation,
+    DeviceViolation,
+    MeshLayout,
+    ShardedCanaryMonitor,
+    ShardedKvCanary,
+    ShardedViolationReport,
+    local,
+    per_device,
+    read_sharded_violations,
+    stacked,
+)
 
 __all__ = [
+    # Wrap a decode loop: the canary, its state and batch, the pool, real-KV sources, sweeps, fence, the monitor.
     "CanaryBatch",
+    "CanaryConfig",
     "CanaryMonitor",
     "CanaryPool",
     "CanaryState",
     "KvCanary",
-    "KvCanaryHealthError",
     "KvSources",
+    "RealKvSource",
     "SwaGroup",
     "SweepEntries",
     "SweepPlan",
-    "walk_prefix_tree",
-    "ANCHOR_HASH",
-    "CANARY_CHAIN_ANCHOR",
-    "CANARY_FIELDS_PER_SLOT",
-    "NUM_LAUNCH_TAGS",
-    "VIOLATION_FIELDS",
-    "CanaryConfig",
-    "CanaryDeviceState",
-    "CanaryLaunchTag",
-    "CanaryMode",
-    "FailReason",
-    "KvCanaryViolationError",
     "fence",
-    "PoolKind",
-    "RealKvHashMode",
-    "RealKvSource",
+    "walk_prefix_tree",
+    # Run it on a mesh: per-device state, the sharded canary and monitor, shard_map views.
+    "MeshLayout",
+    "ShardedCanaryMonitor",
+    "ShardedKvCanary",
+    "local",
+    "per_device",
+    "stacked",
+    # SGLang-compatible ops and plans: the building blocks KvCanary is made of.
+    "CanaryDeviceState",
     "VerifyPlan",
-    "Violation",
     "ViolationLog",
-    "ViolationReport",
     "WritePlan",
     "allocate_canary_buffer",
     "build_plans",
     "canary_verify",
     "canary_write",
+    # Read reports: the host reader, its rows and messages, the errors the monitor raises.
+    "DeviceObservedViolation",
+    "DeviceViolation",
+    "KvCanaryHealthError",
+    "KvCanaryViolationError",
+    "ObservedViolation",
+    "ShardedViolationReport",
+    "Violation",
+    "ViolationReport",
     "format_violation",
+    "read_sharded_violations",
     "read_violations",
     "records_as_int64",
+    # Constants and enums, with SGLang's names and values.
+    "ANCHOR_HASH",
+    "CANARY_CHAIN_ANCHOR",
+    "CANARY_FIELDS_PER_SLOT",
+    "NUM_LAUNCH_TAGS",
+    "VIOLATION_FIELDS",
+    "CanaryLaunchTag",
+    "CanaryMode",
+    "FailReason",
+    "Half",
+    "Phase",
+    "PoolKind",
+    "RealKvHashMode",
+    "launch_tag",
 ]

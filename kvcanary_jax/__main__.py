@@ -32,7 +32,7 @@ def main(argv: list[str] | None = None) -> int:
         from kvcanary_jax.demo import cli  # imports the demo model only when asked for
 
         return cli.run_demo(seed=args.seed, clean_steps=args.clean_steps, as_json=args.json)
-    from kvcanary_jax import example
+    from kvcanary_jax.demo import example
 
     return 0 if example.run_example() > 0 else 1
 

@@ -1,6 +1,6 @@
 """Numeric layout constants shared by every kernel: record fields, violation-row columns, fail bits, real-KV modes.
 
-These are SGLang's values. The upper layer (``kvcanary_jax.constants``) builds its enums from them, so each
+These are SGLang's values. The upper layer (``kvcanary_jax.core``) builds its enums from them, so each
 number is written once.
 """
 

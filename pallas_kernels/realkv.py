@@ -102,8 +102,12 @@ def _row_bytes(data) -> int:
     return row_bytes
 
 
-def validate_sources(sources: Sequence[RealKvSource], *, num_slots: int, arg: str = "real_kv_sources") -> None:
-    """Trace-time checks: at most 4 sources, each a ``RealKvSource`` covering every canary slot."""
+def validate_sources(
+    sources: Sequence[RealKvSource], *, num_slots: int, arg: str = "real_kv_sources"
+) -> tuple[RealKvSource, ...]:
+    """Trace-time checks: at most 4 sources, each a ``RealKvSource`` covering every canary slot; returns a tuple."""
+    if not isinstance(sources, (tuple, list)):
+        raise TypeError(f"{arg} must be a tuple of RealKvSource; got {type(sources).__name__}")
     if len(sources) > layout.MAX_REAL_KV_SOURCES:
         raise ValueError(f"{arg} holds at most {layout.MAX_REAL_KV_SOURCES} sources; got {len(sources)}")
     for i, src in enumerate(sources):
@@ -114,6 +118,7 @@ def validate_sources(sources: Sequence[RealKvSource], *, num_slots: int, arg: st
                 f"{arg}[{i}] holds {src.num_token_slots} token slots (pages * page_size) but the canary buffer "
                 f"has num_slots={num_slots}; every canary slot needs KV bytes to fold"
             )
+    return tuple(sources)
 
 
 def as_words(data: jax.Array) -> jax.Array:

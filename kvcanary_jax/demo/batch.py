@@ -7,13 +7,12 @@ import dataclasses
 import jax
 import numpy as np
 
-from kvcanary_jax import hashing
-from kvcanary_jax.runner import CanaryBatch
+from kvcanary_jax import CanaryBatch, testing
 
 
 def oracle_token(request_id: int, position: int, vocab_size: int) -> int:
     """The token a request emits at `position` in token-oracle mode (SGLang's HashOracle): knowable in advance."""
-    return hashing.splitmix64(request_id ^ position) % vocab_size
+    return testing.splitmix64(request_id ^ position) % vocab_size
 
 
 @jax.tree_util.register_dataclass

@@ -8,13 +8,10 @@ from typing import Any
 
 import numpy as np
 
-from kvcanary_jax import perturb
-from kvcanary_jax.config import CanaryConfig
-from kvcanary_jax.constants import PoolKind
+from kvcanary_jax import CanaryConfig, KvCanaryViolationError, PoolKind, testing
 from kvcanary_jax.demo import batch as batch_lib
 from kvcanary_jax.demo import loop
-from kvcanary_jax.perturb import FaultKind
-from kvcanary_jax.report import KvCanaryViolationError
+from kvcanary_jax.testing import FaultKind
 
 # Every fault kind on every group it applies to, in the order the demo and the tests run them.
 FAULT_RUNS = [
@@ -72,7 +69,7 @@ def _flip(setup: loop.DemoSetup, group: PoolKind, slot: int) -> None:
     """Flips byte 0 of ``slot``'s K row in the group's real-KV layer (outside the jitted step, after compilation)."""
     layer = _layer(setup, group)
     k = list(setup.kv_cache.k)
-    k[layer] = perturb.flip_kv_byte(k[layer], np.int32(slot), page_size=setup.layout.page_size)
+    k[layer] = testing.flip_kv_byte(k[layer], np.int32(slot), page_size=setup.layout.page_size)
     setup.kv_cache = dataclasses.replace(setup.kv_cache, k=tuple(k))
 
 
@@ -110,22 +107,22 @@ class Injector:
         view = batch.canary()
         if self.kind is FaultKind.LIVE_KV:
             window = setup.sched_config.swa_window if self.group is PoolKind.SWA else 0
-            slot = perturb.choose_live_slot(view, self.rng, window=window, lut=self._lut(setup))
+            slot = testing.choose_live_slot(view, self.rng, window=window, lut=self._lut(setup))
             if slot is not None:
                 _flip(setup, self.group, slot)
                 self._done(setup)
         elif self.kind is FaultKind.REQ_TO_TOKEN:
-            if (target := perturb.choose_remap(view, self.rng)) is not None:
+            if (target := testing.choose_remap(view, self.rng)) is not None:
                 self._done(setup)
-                return dataclasses.replace(batch, req_to_token=perturb.remap_slot(batch.req_to_token, *target))
+                return dataclasses.replace(batch, req_to_token=testing.remap_slot(batch.req_to_token, *target))
         elif self.kind is FaultKind.TOKEN_SWAP:
             running = _running_by_row(setup)
             decode_rows = [
                 r for r, row in enumerate(batch.req_pool_indices) if row and not running[int(row)].in_prefill
             ]
-            if (pair := perturb.choose_token_swap(view, self.rng, rows=decode_rows)) is not None:
+            if (pair := testing.choose_token_swap(view, self.rng, rows=decode_rows)) is not None:
                 self._done(setup)
-                return dataclasses.replace(batch, input_ids=perturb.swap_tokens(batch.input_ids, *pair))
+                return dataclasses.replace(batch, input_ids=testing.swap_tokens(batch.input_ids, *pair))
         return None
 
     def after_commit(self, setup: loop.DemoSetup, batch: batch_lib.StepBatch) -> None:
@@ -135,7 +132,7 @@ class Injector:
         if self.kind is FaultKind.POST_FORWARD_KV:
             # The first token of a row is always kept; a request still running and decoding is in the next batch.
             running = _running_by_row(setup)
-            starts = perturb.row_starts(batch.canary())
+            starts = testing.row_starts(batch.canary())
             slots = [
                 int(batch.out_cache_loc[starts[r]])
                 for r, row in enumerate(batch.req_pool_indices)
@@ -169,7 +166,7 @@ def run(
 
     A clean run lasts ``max_steps`` and must report nothing. A fault run stops once the monitor raises (raise mode)
     or after ``max_steps``; the first violation must come from the launch and with a bit that
-    :func:`kvcanary_jax.perturb.expected_detection` names, on time, and nothing may fire before the injection.
+    :func:`kvcanary_jax.testing.expected_detection` names, on time, and nothing may fire before the injection.
 
     Args:
       on_step: progress callback, given the step number after every step.
@@ -203,7 +200,7 @@ def run(
     elif first is None:
         ok, note = False, note or "fault went undetected"
     else:
-        tag, bits, after = perturb.expected_detection(fault, group)
+        tag, bits, after = testing.expected_detection(fault, group)
         sweep = fault is FaultKind.IDLE_CACHE_KV
         late = first.step - injected > (config.sweep_interval if sweep else after)
         checks = {

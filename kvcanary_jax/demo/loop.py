@@ -13,19 +13,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvcanary_jax import pool, runner
-from kvcanary_jax.config import CanaryConfig
+import kvcanary_jax as kc
 from kvcanary_jax.demo import batch as batch_lib
 from kvcanary_jax.demo import model, scheduler
-from kvcanary_jax.monitor import CanaryMonitor
 
 # SGLang-style hybrid for the SWA variant: layer 0 attends to everything, layer 1 to a sliding window.
 _SWA_WINDOW = 24
 _NUM_SWA_SLOTS = 256
-_OFF = CanaryConfig(mode="off")
+_OFF = kc.CanaryConfig(mode="off")
 
 
-def kv_sources(canary: runner.KvCanary, layout: model.KvCacheLayout, kv_cache: model.KvCache) -> pool.KvSources:
+def kv_sources(canary: kc.KvCanary, layout: model.KvCacheLayout, kv_cache: model.KvCache) -> kc.KvSources:
     """The first full layer's K/V (and the first SWA layer's) as real-KV sources, as SGLang folds layer 0."""
     full = next(i for i in range(layout.num_layers) if i not in layout.swa_layers)
     kw = {"full_k": kv_cache.k[full], "full_v": kv_cache.v[full] if canary.pool.with_v else None}
@@ -36,22 +34,22 @@ def kv_sources(canary: runner.KvCanary, layout: model.KvCacheLayout, kv_cache: m
 
 
 def demo_step(
-    canary: runner.KvCanary,
+    canary: kc.KvCanary,
     layout: model.KvCacheLayout,
     params: model.Params,
     kv_cache: model.KvCache,
-    canary_state: runner.CanaryState,
+    canary_state: kc.CanaryState,
     batch: batch_lib.StepBatch,
-) -> tuple[jax.Array, jax.Array, model.KvCache, runner.CanaryState]:
+) -> tuple[jax.Array, jax.Array, model.KvCache, kc.CanaryState]:
     """The jitted step: HEAD canary launches, the model forward, TAIL launches, greedy sampling.
 
     Returns ``(next_tokens i32[max_batch], logits f32[max_batch, vocab], kv_cache, canary_state)``.
     """
     view = batch.canary()
     canary_state = canary.before_forward(canary_state, view)
-    canary_state, kv_cache = runner.fence(canary_state, kv_cache)
+    canary_state, kv_cache = kc.fence(canary_state, kv_cache)
     logits, kv_cache = model.forward(params, kv_cache, batch)
-    canary_state, kv_cache = runner.fence(canary_state, kv_cache)
+    canary_state, kv_cache = kc.fence(canary_state, kv_cache)
     canary_state = canary.after_forward(canary_state, view, kv_sources(canary, layout, kv_cache))
     next_tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # greedy; padding rows give token 0
     return next_tokens, logits, kv_cache, canary_state
@@ -70,9 +68,9 @@ class DemoSetup:
     params: model.Params
     kv_cache: model.KvCache
     scheduler: scheduler.Scheduler
-    canary: runner.KvCanary
-    canary_state: runner.CanaryState
-    monitor: CanaryMonitor
+    canary: kc.KvCanary
+    canary_state: kc.CanaryState
+    monitor: kc.CanaryMonitor
     step_fn: Callable[..., Any]  # demo_step, jitted, KV cache and canary state donated
     sweep_fn: Callable[..., Any]  # KvCanary.sweep, jitted, canary state donated
     traces_before: int  # traces of this configuration's step before this setup was built
@@ -133,7 +131,7 @@ def build_demo(
     seed: int = 0,
     swa: bool = False,
     *,
-    canary_config: CanaryConfig = _OFF,
+    canary_config: kc.CanaryConfig = _OFF,
     with_v: bool = True,
     kv_dtype: Any = jnp.bfloat16,
     page_size: int = 8,
@@ -156,19 +154,17 @@ def build_demo(
     layout = model.KvCacheLayout.for_model(
         model_cfg, num_slots=sc.num_slots, page_size=page_size, dtype=kv_dtype, num_swa_slots=sc.num_swa_slots
     )
-    canary_pool = pool.CanaryPool(
+    canary_pool = kc.CanaryPool(
         num_slots=sc.num_slots,
         page_size=page_size,
         # Exact worst cases of this scheduler: every batch row at full context (or a full window).
         verify_capacity=sc.max_batch * sc.max_context_len,
-        swa=pool.SwaGroup(sc.num_swa_slots, sc.swa_window, verify_capacity=sc.max_batch * sc.swa_window)
-        if swa
-        else None,
+        swa=kc.SwaGroup(sc.num_swa_slots, sc.swa_window, verify_capacity=sc.max_batch * sc.swa_window) if swa else None,
         with_v=with_v,
         max_reqs=sc.max_reqs,
         max_context_len=sc.max_context_len,
     )
-    canary = runner.KvCanary(canary_config, canary_pool)
+    canary = kc.KvCanary(canary_config, canary_pool)
     return DemoSetup(
         model_config=model_cfg,
         layout=layout,
@@ -178,7 +174,7 @@ def build_demo(
         scheduler=scheduler.Scheduler(sc, seed=seed),
         canary=canary,
         canary_state=canary.init_state(),
-        monitor=CanaryMonitor(canary),
+        monitor=kc.CanaryMonitor(canary),
         step_fn=functools.partial(_jitted_step, canary, layout),
         sweep_fn=functools.partial(_jitted_sweep, canary, layout),
         traces_before=_TRACES[canary, layout],

@@ -8,7 +8,7 @@ from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
 
-from kvcanary_jax import sweep
+import kvcanary_jax as kc
 
 _EMPTY = np.zeros(0, np.int32)
 
@@ -126,13 +126,13 @@ class RadixCache:
     def evictable_size(self) -> int:
         return sum(len(n.value) for n, _ in self.nodes() if n.lock_ref == 0)
 
-    def list_slots(self, *, unlocked_only: bool = False) -> sweep.SweepEntries:
+    def list_slots(self, *, unlocked_only: bool = False) -> kc.SweepEntries:
         """Every cached slot with its position and predecessor (SGLang's `walk_radix_cache_for_canary`).
 
         With `unlocked_only`, only slots of idle nodes (no running request holds them) are listed; their
         predecessors may still be locked slots.
         """
-        return sweep.walk_prefix_tree(
+        return kc.walk_prefix_tree(
             self.root,
             children=lambda n: n.children.values(),
             slots=lambda n: n.value,

@@ -18,11 +18,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from kvcanary_jax import sharding
+import kvcanary_jax as kc
+from kvcanary_jax import CanaryState, ShardedCanaryMonitor, ShardedKvCanary
 from kvcanary_jax.demo import faults, loop, model, scheduler
-from kvcanary_jax.runner import CanaryState
-from kvcanary_jax.sharded_monitor import ShardedCanaryMonitor
-from kvcanary_jax.sharded_runner import ShardedKvCanary
 
 _HEADS = model.ModelConfig().num_kv_heads
 
@@ -35,11 +33,11 @@ class StepHooks(Protocol):
     def after_commit(self, batches: list) -> None: ...
 
 
-def mesh_layout(devices: int) -> sharding.MeshLayout:
+def mesh_layout(devices: int) -> kc.MeshLayout:
     """A ``(dp, tp)`` mesh of the first ``devices`` devices, ``tp`` splitting the demo model's KV heads."""
     tp = _HEADS if devices % _HEADS == 0 else 1
     grid = np.array(jax.devices()[:devices]).reshape(devices // tp, tp)
-    return sharding.MeshLayout(jax.sharding.Mesh(grid, ("dp", "tp")), tp_axis="tp")
+    return kc.MeshLayout(jax.sharding.Mesh(grid, ("dp", "tp")), tp_axis="tp")
 
 
 @dataclasses.dataclass
@@ -54,7 +52,7 @@ class ShardedDemo:
     monitor: ShardedCanaryMonitor
 
     @classmethod
-    def build(cls, mesh_layout: sharding.MeshLayout, seed: int) -> ShardedDemo:
+    def build(cls, mesh_layout: kc.MeshLayout, seed: int) -> ShardedDemo:
         base = loop.build_demo(seed, canary_config=faults.DEMO_CONFIG, **faults.DEMO_BUILD)
         sharded = ShardedKvCanary(base.canary, mesh_layout)
         dp = mesh_layout.mesh.shape["dp"]
@@ -65,7 +63,7 @@ class ShardedDemo:
         return cls(base, sharded, schedulers, kv_cache, sharded.init_state(), ShardedCanaryMonitor(sharded))
 
     @property
-    def layout(self) -> sharding.MeshLayout:
+    def layout(self) -> kc.MeshLayout:
         return self.sharded.mesh_layout
 
     def _put(self, tree):
@@ -98,7 +96,7 @@ class ShardedDemo:
         self.monitor.after_step(self.canary_state)
 
 
-def _kv_spec(mesh_layout: sharding.MeshLayout) -> PartitionSpec:
+def _kv_spec(mesh_layout: kc.MeshLayout) -> PartitionSpec:
     return PartitionSpec(*mesh_layout.data_axes, None, None, mesh_layout.tp_axis, None)
 
 
@@ -108,10 +106,10 @@ def _step_fn(sharded: ShardedKvCanary, layout: model.KvCacheLayout) -> Callable:
     lay, kv_spec, d = sharded.mesh_layout, _kv_spec(sharded.mesh_layout), sharded.mesh_layout.data_spec
 
     def head(state, batch):
-        return sharded.before_forward(state, sharding.local(batch, d).canary())
+        return sharded.before_forward(state, kc.local(batch, d).canary())
 
     def tail(state, batch, kv_cache):
-        batch, kv_cache = sharding.local((batch, kv_cache), d)
+        batch, kv_cache = kc.local((batch, kv_cache), d)
         return sharded.after_forward(state, batch.canary(), loop.kv_sources(sharded.canary, layout, kv_cache))
 
     state_spec = sharded.state_spec
@@ -133,7 +131,7 @@ def _sweep_fn(sharded: ShardedKvCanary, layout: model.KvCacheLayout) -> Callable
     d = sharded.mesh_layout.data_spec
 
     def sweep(state, plan, kv_cache):
-        plan, kv_cache = sharding.local((plan, kv_cache), d)
+        plan, kv_cache = kc.local((plan, kv_cache), d)
         return sharded.sweep(state, plan, loop.kv_sources(sharded.canary, layout, kv_cache))
 
     specs = (sharded.state_spec, d, _kv_spec(sharded.mesh_layout))

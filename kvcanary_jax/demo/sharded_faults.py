@@ -17,15 +17,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvcanary_jax import monitor, perturb, sharding
-from kvcanary_jax.constants import CanaryLaunchTag, FailReason, PoolKind
+import kvcanary_jax as kc
+from kvcanary_jax import CanaryLaunchTag, FailReason, KvCanaryViolationError, PoolKind, testing
 from kvcanary_jax.demo import faults, model
 from kvcanary_jax.demo.sharded import ShardedDemo, mesh_layout
-from kvcanary_jax.report import KvCanaryViolationError
 
+Coords = tuple[int, ...]  # mesh coordinates
 _INJECT_AT, _MAX_FAULT_STEPS = 10, 40
 # Faults in a data shard's batch, not in one head's KV: every TP shard of that data shard sees them.
-_IN_BATCH = (perturb.FaultKind.REQ_TO_TOKEN, perturb.FaultKind.TOKEN_SWAP)
+_IN_BATCH = (testing.FaultKind.REQ_TO_TOKEN, testing.FaultKind.TOKEN_SWAP)
 _COLUMNS = ("fault", "injected on", "at step", "reported by", "at step", "launch tag", "fail reasons", "result")
 
 
@@ -52,7 +52,7 @@ class ShardedRunResult:
 class _DeviceView:
     """What :class:`faults.Injector` reads and edits, for one device: its data shard's scheduler and its KV head."""
 
-    def __init__(self, demo: ShardedDemo, coords: sharding.Coords):
+    def __init__(self, demo: ShardedDemo, coords: Coords):
         self.demo, self.data, self.head = demo, coords[0], coords[1]
         self.monitor, self.scheduler = demo.monitor, demo.schedulers[self.data]
         self.layout, self.sched_config = demo.base.layout, demo.base.sched_config
@@ -72,11 +72,11 @@ class _DeviceView:
 
 
 class _Hooks:
-    """Injects one fault on ``target`` at (or after) step ``_INJECT_AT``: a :class:`perturb.FaultKind` through the
+    """Injects one fault on ``target`` at (or after) step ``_INJECT_AT``: a :class:`testing.FaultKind` through the
     single-device demo's :class:`faults.Injector` on a :class:`_DeviceView`, or ``"shard_chain"``.
     """
 
-    def __init__(self, demo: ShardedDemo, target: sharding.Coords, fault, group: PoolKind, seed: int):
+    def __init__(self, demo: ShardedDemo, target: Coords, fault, group: PoolKind, seed: int):
         self.demo, self.target, self.fault = demo, target, fault
         self.view = _DeviceView(demo, target)
         rng = np.random.default_rng(seed + 1)
@@ -117,11 +117,11 @@ class _Hooks:
         return True
 
 
-def _expected(fault, group: PoolKind, mesh_layout: sharding.MeshLayout, target: sharding.Coords):
-    """``(tag, bits, steps_after, devices)`` that must report ``fault`` first (see ``perturb.expected_detection``)."""
+def _expected(fault, group: PoolKind, mesh_layout: kc.MeshLayout, target: Coords):
+    """``(tag, bits, steps_after, devices)`` that must report ``fault`` first (see ``testing.expected_detection``)."""
     if fault == "shard_chain":  # the device's own verify reports first; its next record also breaks TP consensus
         return CanaryLaunchTag.TAIL_K_FULL, FailReason.VERIFY_CHAIN_HASH_MISMATCH, 1, {target}
-    tag, bits, after = perturb.expected_detection(fault, group)
+    tag, bits, after = testing.expected_detection(fault, group)
     devices = {c for c, _ in mesh_layout.devices() if c[0] == target[0]} if fault in _IN_BATCH else {target}
     return tag, bits, after, devices
 
@@ -129,7 +129,7 @@ def _expected(fault, group: PoolKind, mesh_layout: sharding.MeshLayout, target: 
 def run(
     fault=None,
     *,
-    mesh_layout: sharding.MeshLayout,
+    mesh_layout: kc.MeshLayout,
     group: PoolKind = PoolKind.FULL,
     seed: int = 0,
     max_steps: int = _MAX_FAULT_STEPS,
@@ -137,11 +137,11 @@ def run(
     """Runs the sharded demo clean (``fault`` None) or with one fault on the mesh's last device.
 
     A fault run stops once the monitor raises (raise mode) or after ``max_steps``. The first violation must come
-    from the launch, with a bit, and on time as :func:`kvcanary_jax.perturb.expected_detection` says, and exactly
+    from the launch, with a bit, and on time as :func:`kvcanary_jax.testing.expected_detection` says, and exactly
     the devices holding the fault may report.
 
     Args:
-      fault: None, a :class:`perturb.FaultKind` (injected as in the single-device demo), or ``"shard_chain"``.
+      fault: None, a :class:`testing.FaultKind` (injected as in the single-device demo), or ``"shard_chain"``.
       mesh_layout: a ``(dp, tp)`` layout from :func:`mesh_layout`.
       group: the pool group a KV fault hits.
       max_steps: steps of a clean run; the most a fault run may take.
@@ -187,11 +187,11 @@ def run(
 def _problems(
     fault,
     group: PoolKind,
-    mesh_layout: sharding.MeshLayout,
-    target: sharding.Coords,
+    mesh_layout: kc.MeshLayout,
+    target: Coords,
     injected: int | None,
-    first: monitor.ObservedViolation | None,
-    reporters: set[sharding.Coords],
+    first: kc.ObservedViolation | None,
+    reporters: set[Coords],
     reasons: dict[str, None],
 ) -> list[str]:
     """What went wrong in a run, as in the single-device demo, plus which devices reported."""
@@ -202,7 +202,7 @@ def _problems(
     if first is None:
         return ["fault went undetected"]
     tag, bits, after, devices = _expected(fault, group, mesh_layout, target)
-    late = first.step - injected > (faults.DEMO_CONFIG.sweep_interval if fault is perturb.FaultKind.IDLE_CACHE_KV
+    late = first.step - injected > (faults.DEMO_CONFIG.sweep_interval if fault is testing.FaultKind.IDLE_CACHE_KV
                                     else after)  # fmt: skip
     checks = {
         "fired before the injection": first.step < injected,

@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import collections
-from typing import TYPE_CHECKING
 
 import numpy as np
 
-if TYPE_CHECKING:
-    from kvcanary_jax.demo.scheduler import SchedulerConfig
+from kvcanary_jax.demo.config import SchedulerConfig
 
 
 class PromptSource:

@@ -5,9 +5,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import jax
+import jax.numpy as jnp
 
 from pallas_kernels import backend as backends
-from pallas_kernels import kernel_io, realkv
+from pallas_kernels import checks, kernel_io, layout, realkv
 from pallas_kernels.verify import pallas_triton, reference
 
 
@@ -31,11 +32,27 @@ def verify(
     interpret mode); ``"xla"`` runs the pure-jnp reference. Both give identical bits.
 
     Raises:
+      ValueError, TypeError: for a wrong shape, dtype or static argument, naming it.
       NotImplementedError: ``"pallas"`` off-GPU, or a Pallas backend with a KV dtype it cannot read as words.
     """
+    entries = {
+        "slot_indices": slot_indices,
+        "expected_tokens": expected_tokens,
+        "expected_positions": expected_positions,
+        "prev_slot_indices": prev_slot_indices,
+    }
+    num_slots = checks.canary_buffer(canary_buf)
+    for arg, x in entries.items():
+        checks.array(arg, x, dtype=jnp.int32, ndim=1)
+    checks.same_length(entries)
+    checks.array("num_active", num_active, dtype=jnp.int32, shape=())
+    real_kv_sources = realkv.validate_sources(real_kv_sources, num_slots=num_slots)
+    checks.static_int("real_kv_hash_mode", real_kv_hash_mode, maximum=layout.REAL_KV_ALL + 1)
+    if not isinstance(check_expected_token, bool):
+        raise TypeError(f"check_expected_token must be a static bool; got {check_expected_token!r}")
     name = backends.resolve(backend)
     kwargs = dict(
-        real_kv_sources=tuple(real_kv_sources),
+        real_kv_sources=real_kv_sources,
         real_kv_hash_mode=real_kv_hash_mode,
         check_expected_token=check_expected_token,
     )

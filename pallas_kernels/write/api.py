@@ -5,9 +5,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import jax
+import jax.numpy as jnp
 
 from pallas_kernels import backend as backends
-from pallas_kernels import kernel_io, realkv, records
+from pallas_kernels import checks, kernel_io, layout, realkv, records
 from pallas_kernels.write import pallas_triton, reference, store
 
 
@@ -33,10 +34,22 @@ def write(
     interpret mode); ``"xla"`` runs the pure-jnp chain and the shared store. Both give identical bytes.
 
     Raises:
+      ValueError, TypeError: for a wrong shape, dtype or static argument, naming it.
       NotImplementedError: ``"pallas"`` off-GPU, or a Pallas backend with a KV dtype it cannot read as words.
     """
+    num_slots = checks.canary_buffer(canary_buf)
+    checks.array("seed_slot_indices", seed_slot_indices, dtype=jnp.int32, ndim=1)
+    num_reqs = seed_slot_indices.shape[0]
+    checks.array("write_offsets", write_offsets, dtype=jnp.int32, shape=(num_reqs + 1,))
+    for arg, x in (("num_valid_reqs", num_valid_reqs), ("enable_chain_position_assert", enable_chain_position_assert)):
+        checks.array(arg, x, dtype=jnp.int32, shape=(1,))
+    tokens = {"input_ids": input_ids, "positions": positions, "out_cache_loc": out_cache_loc}
+    for arg, x in tokens.items():
+        checks.array(arg, x, dtype=jnp.int32, ndim=1)
+    checks.same_length(tokens)
+    real_kv_sources = realkv.validate_sources(real_kv_sources, num_slots=num_slots)
+    checks.static_int("real_kv_hash_mode", real_kv_hash_mode, maximum=layout.REAL_KV_ALL + 1)
     name = backends.resolve(backend)
-    real_kv_sources = tuple(real_kv_sources)
     if name != "xla":
         for i, src in enumerate(real_kv_sources):
             kernel_io.check_kv_dtype(src.data.dtype, f"real_kv_sources[{i}].data")

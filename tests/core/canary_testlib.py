@@ -12,8 +12,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import kvcanary_jax as kc
-from kvcanary_jax import hashing
-from kvcanary_jax.state import u64_pairs_as_int64
+from kvcanary_jax import testing
+from kvcanary_jax.core._state import u64_pairs_as_int64
 
 U64 = (1 << 64) - 1
 INT32_MAX = 2**31 - 1
@@ -137,7 +137,7 @@ def counters(state) -> tuple[list[int], list[int]]:
 
 
 def signed_row(row) -> list[int]:
-    return [hashing.to_signed(v) for v in row]
+    return [testing.to_signed(v) for v in row]
 
 
 # --------------------------------------------------------------------------------------------------------- host oracle
@@ -146,9 +146,9 @@ def signed_row(row) -> list[int]:
 def slot_hash(recs, slot: int) -> int:
     """H(slot): the anchor hash for slot < 0, else mix3(PREV_HASH, TOKEN, POSITION)."""
     if slot < 0:
-        return hashing.anchor_hash()
+        return testing.anchor_hash()
     token, position, prev_hash, _ = recs[slot]
-    return hashing.mix3(prev_hash, token, position)
+    return testing.mix3(prev_hash, token, position)
 
 
 def oracle_verify(
@@ -233,7 +233,7 @@ def oracle_write(
                 prev_position = position
             if slot < len(recs):
                 recs[slot] = [token, position, running_hash, real_kv(slot)]
-            running_hash = hashing.mix3(running_hash, token, position)
+            running_hash = testing.mix3(running_hash, token, position)
     return recs, rows, written
 
 
@@ -299,7 +299,7 @@ def oracle_ring(rows_before, index, new_rows, capacity):
 
 
 def host_fold(sources, slot: int, mode) -> int:
-    """REAL_KV_HASH of ``slot`` from the sources' raw bytes, with the host fold (``kvcanary_jax.hashing``)."""
+    """REAL_KV_HASH of ``slot`` from the sources' raw bytes, with the host fold (``kvcanary_jax.testing``)."""
     if int(mode) == 0 or not sources:
         return 0
     chunks = []
@@ -308,7 +308,7 @@ def host_fold(sources, slot: int, mode) -> int:
         start = (slot % src.page_size) * src.num_bytes_per_token
         n = 16 if int(mode) == 1 else src.read_bytes
         chunks.append(raw[slot // src.page_size, start : start + n].tobytes())
-    return hashing.fold_sources(chunks)
+    return testing.fold_sources(chunks)
 
 
 def random_source(rng, dtype, *, pages, page_size, bytes_per_token, read_bytes=None, pad_bytes=0):

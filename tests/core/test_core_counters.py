@@ -3,7 +3,9 @@
 import dataclasses
 
 import chex
-from canary_testlib import (
+
+import kvcanary_jax as kc
+from tests.core.canary_testlib import (
     NUM_TOKENS,
     TAG_HEAD,
     TAG_TAIL,
@@ -17,8 +19,6 @@ from canary_testlib import (
     verify_plan,
     write_batch,
 )
-
-import kvcanary_jax as kc
 
 
 def _verify(state, plan):

@@ -4,7 +4,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from canary_testlib import (
+
+import kvcanary_jax as kc
+from kvcanary_jax import testing
+from pallas_kernels import hash64, realkv
+from tests.core.canary_testlib import (
     NUM_SLOTS,
     TAG_HEAD,
     U64,
@@ -14,10 +18,6 @@ from canary_testlib import (
     records,
     write_batch,
 )
-
-import kvcanary_jax as kc
-from kvcanary_jax import hashing
-from pallas_kernels import hash64, realkv
 
 SPLITMIX_GOLDEN = [
     (0x9E3779B97F4A7C15, 0xE220A8397B1DCDAF),
@@ -51,8 +51,8 @@ _device_mix3 = jax.jit(lambda a, b, c: hash64.mix3(a, hash64.from_i32(b), hash64
 
 def test_splitmix64_golden_on_host():
     for x, want in SPLITMIX_GOLDEN:
-        assert hashing.splitmix64(x) == want, hex(x)
-    assert hashing.anchor_hash() == kc.ANCHOR_HASH == 0xDE7FAE23A9A1B716
+        assert testing.splitmix64(x) == want, hex(x)
+    assert testing.anchor_hash() == kc.ANCHOR_HASH == 0xDE7FAE23A9A1B716
     assert kc.CANARY_CHAIN_ANCHOR == 0xC0FFEE1234567890
 
 
@@ -66,13 +66,13 @@ def test_device_hash_equals_host_hash_on_random_values():
     rng = np.random.default_rng(1234)
     a = rng.integers(0, 2**64, size=512, dtype=np.uint64, endpoint=False)
     a[:4] = [0, 1, 2**63, 2**64 - 1]  # edge cases of the carries and the sign bit
-    assert _ints(_device_splitmix(_pairs(a))) == [hashing.splitmix64(int(x)) for x in a]
+    assert _ints(_device_splitmix(_pairs(a))) == [testing.splitmix64(int(x)) for x in a]
     # mix3 with int32 tokens/positions sign-extended to 64 bits (negative values included).
     b = rng.integers(-(2**31), 2**31, size=512).astype(np.int32)
     c = rng.integers(-(2**31), 2**31, size=512).astype(np.int32)
     b[:3], c[:3] = [-1, -(2**31), 2**31 - 1], [-1, 0, -5]
     got = _ints(_device_mix3(_pairs(a), jnp.asarray(b), jnp.asarray(c)))
-    assert got == [hashing.mix3(int(x), int(y), int(z)) for x, y, z in zip(a, b, c, strict=True)]
+    assert got == [testing.mix3(int(x), int(y), int(z)) for x, y, z in zip(a, b, c, strict=True)]
 
 
 def test_u64_helpers_match_python_ints():
@@ -102,15 +102,15 @@ def test_chain_golden_through_canary_write():
     assert [recs[s][:2] for s in range(1, 6)] == [[101 * s, s - 1] for s in range(1, 6)]
     # Host chain agrees: each PREV_HASH is H(predecessor).
     for s in range(2, 6):
-        assert hashing.chain_hash(recs[s - 1][2], recs[s - 1][0], recs[s - 1][1]) == recs[s][2]
+        assert testing.chain_hash(recs[s - 1][2], recs[s - 1][0], recs[s - 1][1]) == recs[s][2]
 
 
 def test_real_kv_golden_host():
-    assert hashing.fold_bytes(REAL_KV_BYTES) == REAL_KV_ONE_SOURCE_GOLDEN
-    assert hashing.fold_sources([REAL_KV_BYTES]) == REAL_KV_GOLDEN
-    assert hashing.splitmix64(REAL_KV_ONE_SOURCE_GOLDEN) == REAL_KV_GOLDEN
+    assert testing.fold_bytes(REAL_KV_BYTES) == REAL_KV_ONE_SOURCE_GOLDEN
+    assert testing.fold_sources([REAL_KV_BYTES]) == REAL_KV_GOLDEN
+    assert testing.splitmix64(REAL_KV_ONE_SOURCE_GOLDEN) == REAL_KV_GOLDEN
     with pytest.raises(ValueError, match="multiple of 16"):
-        hashing.fold_bytes(b"\x00" * 8)
+        testing.fold_bytes(b"\x00" * 8)
 
 
 def test_real_kv_one_source_fold_on_device():
@@ -136,7 +136,7 @@ def _golden_source(view):
 @pytest.mark.parametrize("view", _VIEWS, ids=lambda d: np.dtype(d).name)
 def test_real_kv_golden_fold_of_dtype_views(mode, view):
     got = _ints(_fold_slots((_golden_source(view),), jnp.array([1, 0], jnp.int32), int(mode)))
-    assert got == [REAL_KV_GOLDEN, hashing.fold_sources([bytes(16)])]
+    assert got == [REAL_KV_GOLDEN, testing.fold_sources([bytes(16)])]
     assert _ints(_fold_slots((_golden_source(view),), jnp.array([1], jnp.int32), 0)) == [0]  # NONE folds nothing
 
 
@@ -156,7 +156,7 @@ def test_real_kv_golden_through_canary_write():
         backend="xla",
     )
     assert records(buf)[1][3] == REAL_KV_GOLDEN
-    assert records(buf)[2][3] == hashing.fold_sources([bytes(16)])
+    assert records(buf)[2][3] == testing.fold_sources([bytes(16)])
 
 
 def test_x64_mode_gives_identical_hashes():
@@ -164,4 +164,4 @@ def test_x64_mode_gives_identical_hashes():
     off = _ints(jax.jit(hash64.splitmix64)(_pairs(a)))
     with jax.enable_x64(True):
         on = _ints(jax.jit(hash64.splitmix64)(_pairs(a)))
-    assert off == on == [hashing.splitmix64(int(x)) for x in a]
+    assert off == on == [testing.splitmix64(int(x)) for x in a]

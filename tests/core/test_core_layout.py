@@ -7,7 +7,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from canary_testlib import (
+
+import kvcanary_jax as kc
+from kvcanary_jax.core import _constants as constants
+from tests.core.canary_testlib import (
     NUM_SLOTS,
     RING,
     TAG_HEAD,
@@ -23,15 +26,13 @@ from canary_testlib import (
     write_batch,
 )
 
-import kvcanary_jax as kc
-
 
 def test_canary_buffer_bytes_are_sglangs_uint8_records():
     items = [(1, -7, 0), (2, 2**31 - 1, 1), (3, 5, -2), (NUM_SLOTS - 1, 0, 3)]
     plan, ids, pos, loc = write_batch([(-1, items)])
     buf, _ = jit_write(new_state(), new_buf(), plan, ids, pos, loc, tag=TAG_HEAD, backend="xla")
     assert buf.shape == (NUM_SLOTS, 4, 2) and buf.dtype == jnp.uint32
-    as_bytes = np.asarray(buf).view(np.uint8).reshape(NUM_SLOTS, kc.constants.CANARY_SLOT_BYTES)
+    as_bytes = np.asarray(buf).view(np.uint8).reshape(NUM_SLOTS, constants.CANARY_SLOT_BYTES)
     records = kc.records_as_int64(buf)
     assert records.shape == (NUM_SLOTS, 4) and records.dtype == np.int64
     for slot, token, position in items:
@@ -106,7 +107,7 @@ def test_constants_are_sglangs():
     assert [int(t) for t in kc.CanaryLaunchTag] == list(range(12))
     assert [(m.name, int(m)) for m in kc.RealKvHashMode] == [("NONE", 0), ("PARTIAL", 1), ("ALL", 2)]
     assert (int(kc.PoolKind.FULL), int(kc.PoolKind.SWA)) == (0, 1)
-    assert kc.constants.CANARY_FIELD_PREV_HASH == 2 and kc.constants.VIOLATION_FIELD_EXPECTED_AUX == 6
+    assert constants.CANARY_FIELD_PREV_HASH == 2 and constants.VIOLATION_FIELD_EXPECTED_AUX == 6
 
 
 def test_real_kv_source_is_a_pytree_with_static_metadata():

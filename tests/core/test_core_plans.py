@@ -4,7 +4,11 @@ import chex
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from canary_testlib import (
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import kvcanary_jax as kc
+from tests.core.canary_testlib import (
     NUM_SLOTS,
     POOL_CTX,
     POOL_ROWS,
@@ -15,10 +19,6 @@ from canary_testlib import (
     oracle_plans,
     plan_as_lists,
 )
-from hypothesis import given, settings
-from hypothesis import strategies as st
-
-import kvcanary_jax as kc
 
 WINDOW = 5
 

@@ -8,7 +8,10 @@ import hypothesis.strategies as st
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from canary_testlib import (
+
+import kvcanary_jax as kc
+from kvcanary_jax.core import _ops, _ring
+from tests.core.canary_testlib import (
     INT32_MAX,
     RING,
     TAG_HEAD,
@@ -28,9 +31,6 @@ from canary_testlib import (
     write_batch,
     write_index,
 )
-
-import kvcanary_jax as kc
-from kvcanary_jax import ring
 
 # SPEC §2 "Log line": SGLang's frozen first line.
 FIRST_LINE = re.compile(
@@ -234,6 +234,6 @@ def test_batched_appends_match_the_spec_scatter_form(capacity, index, launches):
         rows = (np.arange(flags.size * 16, dtype=np.uint32).reshape(flags.size, 8, 2) + 1000 * n).astype(np.uint32)
         want_ring, want_index = _spec_append(want_ring, want_index, flags, rows)
         sources.append((jnp.asarray(flags), lambda entry, rows=rows: jnp.asarray(rows)[entry]))
-    new = ring.place(log, ring.first_rows(sources, capacity))
+    new = _ring.place(log, _ops.pending_rows(sources, capacity))
     np.testing.assert_array_equal(np.asarray(new.violation_ring), want_ring)
     assert int(new.violation_write_index[0]) == want_index

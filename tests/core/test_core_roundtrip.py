@@ -4,7 +4,12 @@ identical results with x64 on and off."""
 import chex
 import jax
 import numpy as np
-from canary_testlib import (
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import kvcanary_jax as kc
+from kvcanary_jax.core import _constants as constants
+from tests.core.canary_testlib import (
     NUM_SLOTS,
     NUM_TOKENS,
     POOL_CTX,
@@ -26,11 +31,6 @@ from canary_testlib import (
     u64_pairs,
     write_index,
 )
-from hypothesis import given, settings
-from hypothesis import strategies as st
-
-import kvcanary_jax as kc
-from kvcanary_jax import constants
 
 
 def _step(state, buf, rpi, prefix, extend, req_to_token, input_ids, positions, out_cache_loc):

@@ -9,7 +9,10 @@ import chex
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from canary_testlib import (
+
+import kvcanary_jax as kc
+from kvcanary_jax import testing
+from tests.core.canary_testlib import (
     NUM_SLOTS,
     RING,
     TAG_TAIL,
@@ -29,9 +32,6 @@ from canary_testlib import (
     verify_plan,
     write_index,
 )
-
-import kvcanary_jax as kc
-from kvcanary_jax import hashing
 
 CHAIN, POSITION, REAL_KV, TOKEN = 1, 2, 4, 32
 SLOTS = [3, 7, 5, 9, 12, 2]  # scattered slots of one request, positions 0..5
@@ -96,8 +96,8 @@ def test_tampered_token_shows_as_chain_at_next_entry_only():
     rows = ring_rows(state)
     assert [(r[1], r[7]) for r in rows] == [(SLOTS[3], CHAIN)]
     assert rows[0][4] == -1  # expected_token is -1 when the token check is off
-    assert rows[0][6] == hashing.to_signed(slot_hash(recs, SLOTS[2]))
-    assert rows[0][5] == hashing.to_signed(recs[SLOTS[3]][2])
+    assert rows[0][6] == testing.to_signed(slot_hash(recs, SLOTS[2]))
+    assert rows[0][5] == testing.to_signed(recs[SLOTS[3]][2])
     # With the source-of-truth check on, the tampered slot itself is caught too.
     state = _verify(recs, verify_plan(SLOTS, POSITIONS, PREVS, TOKENS), check_token=True)
     assert [(r[1], r[4], r[7]) for r in ring_rows(state)] == [
@@ -157,7 +157,7 @@ def test_prev_minus_one_is_the_anchor():
     state = _verify(recs, verify_plan(SLOTS, POSITIONS, prevs, TOKENS))
     rows = ring_rows(state)
     assert [(r[1], r[7]) for r in rows] == [(SLOTS[2], CHAIN)]
-    assert rows[0][6] == hashing.to_signed(kc.ANCHOR_HASH)
+    assert rows[0][6] == testing.to_signed(kc.ANCHOR_HASH)
     # The real head stores the anchor hash itself.
     assert recs[SLOTS[0]][2] == kc.ANCHOR_HASH
 
@@ -252,7 +252,7 @@ def test_real_kv_bytes_changed_after_write(mode):
 
     inside = _verify(recs, plan, real_kv_sources=flip(3), real_kv_hash_mode=mode)
     assert [(r[1], r[7]) for r in ring_rows(inside)] == [(SLOTS[3], REAL_KV)]
-    assert ring_rows(inside)[0][6] == hashing.to_signed(slot_hash(recs, SLOTS[2]))  # aux is still the chain hash
+    assert ring_rows(inside)[0][6] == testing.to_signed(slot_hash(recs, SLOTS[2]))  # aux is still the chain hash
     beyond_partial = _verify(recs, plan, real_kv_sources=flip(20), real_kv_hash_mode=mode)
     assert len(ring_rows(beyond_partial)) == (1 if mode == kc.RealKvHashMode.ALL else 0)
     beyond_read_bytes = _verify(recs, plan, real_kv_sources=flip(40), real_kv_hash_mode=mode)

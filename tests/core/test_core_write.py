@@ -6,7 +6,10 @@ import chex
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from canary_testlib import (
+
+import kvcanary_jax as kc
+from kvcanary_jax import testing
+from tests.core.canary_testlib import (
     NUM_SLOTS,
     NUM_TOKENS,
     RING,
@@ -32,9 +35,6 @@ from canary_testlib import (
     write_batch,
     write_index,
 )
-
-import kvcanary_jax as kc
-from kvcanary_jax import hashing
 
 WRITE_TOKEN, WRITE_POSITION = 8, 16
 PREFIX = [(4, 40, 0), (9, 41, 1), (6, 42, 2)]  # (slot, token, position) already cached for one request
@@ -62,7 +62,7 @@ def test_chain_seeded_from_seed_slot():
     got, rows, state = _write(recs, [(6, new)])
     assert rows == []
     assert got[20][2] == slot_hash(recs, 6)  # the first new entry continues the cached chain
-    assert got[21][2] == hashing.mix3(got[20][2], 43, 3)
+    assert got[21][2] == testing.mix3(got[20][2], 43, 3)
     assert got == oracle_write(recs, [(6, new)])[0]
     assert counters(state)[1][TAG_HEAD] == 2 and counters(state)[0][TAG_HEAD] == 1
     # The continued chain verifies clean end to end.
@@ -83,8 +83,8 @@ def test_negative_out_cache_loc_is_skipped_and_does_not_advance_the_chain():
     got, rows, state = _write(empty_records(), [(-1, items)])
     assert rows == []
     assert got[10][2] == kc.ANCHOR_HASH
-    assert got[11][2] == hashing.mix3(got[10][2], 1, 0)  # the skipped entry left no trace in the chain
-    assert got[12][2] == hashing.mix3(got[11][2], 3, 1)
+    assert got[11][2] == testing.mix3(got[10][2], 1, 0)  # the skipped entry left no trace in the chain
+    assert got[12][2] == testing.mix3(got[11][2], 3, 1)
     untouched = [s for s in range(NUM_SLOTS) if s not in (10, 11, 12)]
     assert all(got[s] == [0, 0, 0, 0] for s in untouched)
     assert counters(state)[1][TAG_HEAD] == 3  # written entries only
@@ -97,9 +97,9 @@ def test_input_assert_rows():
     got, rows, state = _write(empty_records(), [(-1, items)], expected=expected)
     h = [got[s][2] for s in (10, 11, 12, 13)]
     assert rows == [
-        [TAG_HEAD, 11, 1, 2, 9, hashing.to_signed(h[1]), 1, WRITE_TOKEN],
-        [TAG_HEAD, 12, 2, 3, 3, hashing.to_signed(h[2]), 7, WRITE_POSITION],
-        [TAG_HEAD, 13, 3, 4, 8, hashing.to_signed(h[3]), 8, WRITE_TOKEN | WRITE_POSITION],
+        [TAG_HEAD, 11, 1, 2, 9, testing.to_signed(h[1]), 1, WRITE_TOKEN],
+        [TAG_HEAD, 12, 2, 3, 3, testing.to_signed(h[2]), 7, WRITE_POSITION],
+        [TAG_HEAD, 13, 3, 4, 8, testing.to_signed(h[3]), 8, WRITE_TOKEN | WRITE_POSITION],
     ]
     # The chain advanced on the actual values: the records are those of an unchecked write.
     assert got == oracle_write(empty_records(), [(-1, items)])[0]
@@ -115,7 +115,7 @@ def test_chain_position_assert():
     recs = _prefix_records()  # seed slot 6 holds position 2
     items = [(20, 1, 3), (21, 2, 5), (-1, 9, 9), (22, 3, 6), (23, 4, 6)]
     got, rows, _ = _write(recs, [(6, items)])
-    h = {s: hashing.to_signed(got[s][2]) for s in (21, 23)}
+    h = {s: testing.to_signed(got[s][2]) for s in (21, 23)}
     assert rows == [
         [TAG_HEAD, 21, 5, 2, 2, h[21], 4, WRITE_POSITION],  # 3 -> 5: expected 4
         [TAG_HEAD, 23, 6, 4, 4, h[23], 7, WRITE_POSITION],  # 6 -> 6: expected 7 (the skipped entry is ignored)
@@ -140,7 +140,7 @@ def test_input_assert_row_comes_before_chain_position_row():
     items = [(20, 1, 3), (21, 2, 9), (22, 3, 10)]
     expected = [(1, 3), (5, 4), (3, 10)]
     got, rows, _ = _write(recs, [(6, items)], expected=expected)
-    h21 = hashing.to_signed(got[21][2])
+    h21 = testing.to_signed(got[21][2])
     assert rows == [
         [TAG_HEAD, 21, 9, 2, 5, h21, 4, WRITE_TOKEN | WRITE_POSITION],
         [TAG_HEAD, 21, 9, 2, 2, h21, 4, WRITE_POSITION],

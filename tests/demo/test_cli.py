@@ -6,7 +6,7 @@ import json
 
 from kvcanary_jax import __main__ as cli_main
 from kvcanary_jax.demo import cli, faults
-from kvcanary_jax.perturb import FaultKind, expected_detection
+from kvcanary_jax.testing import FaultKind, expected_detection
 
 
 def test_demo_json_reports_every_fault_detected(capsys):

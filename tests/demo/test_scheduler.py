@@ -5,8 +5,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvcanary_jax import demo, sweep
+from kvcanary_jax import demo
 from kvcanary_jax.demo import batch as batch_lib
+from kvcanary_jax.runtime import _sweep as sweep
 
 SWA = {"swa_window": 24, "num_swa_slots": 256}
 VARIANTS = {

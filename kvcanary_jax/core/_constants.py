@@ -1,0 +1,104 @@
+"""SGLang's canary constants and enums, with the same names and values."""
+
+from __future__ import annotations
+
+import enum
+
+from pallas_kernels import hash64, layout
+
+CANARY_CHAIN_ANCHOR = hash64.CANARY_CHAIN_ANCHOR
+ANCHOR_HASH = 0xDE7FAE23A9A1B716  # splitmix64(CANARY_CHAIN_ANCHOR); checked against the hash code in the tests
+NUM_LAUNCH_TAGS = 12
+VIOLATION_FIELDS = layout.VIOLATION_FIELDS
+CANARY_FIELDS_PER_SLOT = layout.CANARY_FIELDS_PER_SLOT
+CANARY_SLOT_BYTES = 32
+MAX_REAL_KV_SOURCES = layout.MAX_REAL_KV_SOURCES
+TOKEN_TO_KV_SLOT_PADDING = layout.PADDING_SLOT
+REQ_POOL_IDX_PADDING = 0
+
+CANARY_FIELD_TOKEN = layout.FIELD_TOKEN
+CANARY_FIELD_POSITION = layout.FIELD_POSITION
+CANARY_FIELD_PREV_HASH = layout.FIELD_PREV_HASH
+CANARY_FIELD_REAL_KV_HASH = layout.FIELD_REAL_KV_HASH
+
+VIOLATION_FIELD_KERNEL_KIND = layout.ROW_LAUNCH_TAG
+VIOLATION_FIELD_SLOT_IDX = layout.ROW_SLOT_IDX
+VIOLATION_FIELD_POSITION = layout.ROW_POSITION
+VIOLATION_FIELD_STORED_TOKEN = layout.ROW_STORED_TOKEN
+VIOLATION_FIELD_EXPECTED_TOKEN = layout.ROW_EXPECTED_TOKEN
+VIOLATION_FIELD_STORED_CHAIN_HASH = layout.ROW_STORED_CHAIN_HASH
+VIOLATION_FIELD_EXPECTED_AUX = layout.ROW_EXPECTED_AUX
+VIOLATION_FIELD_FAIL_REASON_BITS = layout.ROW_FAIL_REASON_BITS
+
+
+class CanaryLaunchTag(enum.IntEnum):
+    """Which launch wrote a violation row: (HEAD | TAIL | SWEEP) x (K | V) x (FULL | SWA)."""
+
+    HEAD_K_FULL = 0
+    HEAD_V_FULL = 1
+    TAIL_K_FULL = 2
+    TAIL_V_FULL = 3
+    SWEEP_K_FULL = 4
+    SWEEP_V_FULL = 5
+    HEAD_K_SWA = 6
+    HEAD_V_SWA = 7
+    TAIL_K_SWA = 8
+    TAIL_V_SWA = 9
+    SWEEP_K_SWA = 10
+    SWEEP_V_SWA = 11
+
+
+class Phase(enum.IntEnum):
+    """When a launch runs: before the forward (HEAD), after it (TAIL), or in a prefix-cache sweep (SWEEP)."""
+
+    HEAD = 0
+    TAIL = 1
+    SWEEP = 2
+
+
+class Half(enum.IntEnum):
+    """Which endpoint buffer of a group a launch checks: the K half or the V half."""
+
+    K = 0
+    V = 1
+
+
+def launch_tag(phase: Phase, half: Half, kind: PoolKind) -> CanaryLaunchTag:
+    """SGLang's tag numbering: ``6 * group + 2 * phase + half``, e.g. ``TAIL_V_SWA = 6 + 2 + 1``."""
+    return CanaryLaunchTag(6 * kind + 2 * phase + half)
+
+
+class FailReason(enum.IntFlag):
+    """Violation bits; a row may carry several."""
+
+    VERIFY_CHAIN_HASH_MISMATCH = layout.FAIL_VERIFY_CHAIN_HASH
+    VERIFY_POSITION_MISMATCH = layout.FAIL_VERIFY_POSITION
+    VERIFY_REAL_KV_HASH_MISMATCH = layout.FAIL_VERIFY_REAL_KV_HASH
+    WRITE_TOKEN_MISMATCH = layout.FAIL_WRITE_TOKEN
+    WRITE_POSITION_MISMATCH = layout.FAIL_WRITE_POSITION
+    VERIFY_TOKEN_MISMATCH = layout.FAIL_VERIFY_TOKEN
+    # Ours, beyond SGLang's six: TP shards disagree on a written record's chain fields (kvcanary_jax.sharded).
+    SHARD_CHAIN_MISMATCH = 1 << 6
+
+
+class RealKvHashMode(enum.IntEnum):
+    """How much of a slot's KV bytes the REAL_KV_HASH folds: none, the first 16 bytes, or ``read_bytes``."""
+
+    NONE = layout.REAL_KV_NONE
+    PARTIAL = layout.REAL_KV_PARTIAL
+    ALL = layout.REAL_KV_ALL
+
+
+class PoolKind(enum.IntEnum):
+    """KV pool group: FULL covers every position, SWA only the sliding window."""
+
+    FULL = 0
+    SWA = 1
+
+
+class CanaryMode(enum.StrEnum):
+    """What the host does on a violation: ``raise`` (CI lane), ``log`` (keep serving), or ``off``."""
+
+    OFF = "off"
+    LOG = "log"
+    RAISE = "raise"

@@ -1,0 +1,359 @@
+"""``canary_verify`` and ``canary_write``: run the lower layer's op, append its violations, bump its counters.
+
+Each op is a launch (:func:`verify_launch` / :func:`write_launch`: run the op, leaving the state alone) plus
+:func:`commit` (append its rows, bump its counters). The runner calls the halves itself, so that all launches of
+one phase share one prefix sum and one ring update (:func:`apply`); the ring bytes are the same either way. The
+public ops check what only this layer knows (state, tag, plan type, the token pool) and parse the real-KV mode;
+``pallas_kernels`` checks its own arrays, sources and backend.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from collections.abc import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from kvcanary_jax.core import _ring
+from kvcanary_jax.core._config import parse_real_kv_hash_mode
+from kvcanary_jax.core._constants import RealKvHashMode
+from kvcanary_jax.core._plans import VerifyPlan, WritePlan
+from kvcanary_jax.core._state import CanaryDeviceState, ViolationLog
+from pallas_kernels import checks, hash64, layout, realkv, records
+from pallas_kernels.verify import api as verify_api
+from pallas_kernels.write import api as write_api
+
+RowBuilder = Callable[[jax.Array], jax.Array]  # i32[capacity] entry ids -> u32[capacity, 8, 2] ring rows
+
+
+@dataclasses.dataclass(frozen=True)
+class Launch:
+    """One verify or write launch before its effect on the shared state is applied.
+
+    Attributes:
+      tag: the static launch tag.
+      flags: bool violation flags in append order.
+      build_rows: i32[capacity] entry ids -> u32[capacity, 8, 2] ring rows.
+      entries: i32[] the launch's ``slot_run_counters`` increment.
+    """
+
+    tag: int
+    flags: jax.Array
+    build_rows: RowBuilder
+    entries: jax.Array
+
+
+def pending_rows(launches: Sequence[tuple[jax.Array, RowBuilder]], capacity: int) -> list[_ring.PendingRows]:
+    """Each launch's count and the rows of its first ``capacity`` flags, with one prefix sum for all.
+
+    The rows are materialized behind an optimization barrier, so a caller may overwrite the buffers that
+    ``build_rows`` read without XLA copying them to keep the old bytes.
+
+    Args:
+      launches: ``(flags, build_rows)`` per launch, in ring order.
+      capacity: the ring's row count.
+    """
+    counts, entries = _ring.first_entries([flags for flags, _ in launches], capacity)
+    rows = tuple(
+        build_rows(entries[i]) if flags.size else jnp.zeros((capacity, layout.VIOLATION_FIELDS, 2), jnp.uint32)
+        for i, (flags, build_rows) in enumerate(launches)
+    )
+    rows = lax.optimization_barrier(rows)
+    return [_ring.PendingRows(counts[i], r) for i, r in enumerate(rows)]
+
+
+def append(log: ViolationLog, flags: jax.Array, build_rows: RowBuilder) -> ViolationLog:
+    """Appends one set of rows (one per set flag, in flag order) to the fill-once ring."""
+    return _ring.place(log, pending_rows([(flags, build_rows)], log.ring_capacity))
+
+
+def _bump(counters: jax.Array, increments: dict[int, jax.Array]) -> jax.Array:
+    """``counters[tag] += amount`` per tag on u64 (lo, hi) counters; amounts are non-negative int32.
+
+    Elementwise over every tag (not one-row updates), so XLA fuses a step's bumps into one kernel.
+    """
+    tags = jnp.arange(counters.shape[0])
+    add = jnp.zeros(counters.shape[:1], jnp.uint32)
+    for tag, amount in increments.items():
+        add = add + jnp.where(tags == tag, amount.astype(jnp.uint32), jnp.uint32(0))
+    return hash64.join(hash64.add(hash64.split(counters), (add, jnp.zeros_like(add))))
+
+
+def apply(
+    state: CanaryDeviceState, pending: Sequence[_ring.PendingRows], launches: Sequence[Launch]
+) -> CanaryDeviceState:
+    """Places the launches' pending rows in the ring (in the order given) and bumps their counters."""
+    kernels, slots = collections.Counter(), collections.defaultdict(lambda: jnp.int32(0))
+    for launch in launches:
+        kernels[launch.tag] += 1
+        slots[launch.tag] = slots[launch.tag] + launch.entries
+    return dataclasses.replace(
+        state,
+        violation_log=_ring.place(state.violation_log, pending),
+        kernel_run_counters=_bump(state.kernel_run_counters, {t: jnp.int32(n) for t, n in kernels.items()}),
+        slot_run_counters=_bump(state.slot_run_counters, dict(slots)),
+    )
+
+
+def commit(state: CanaryDeviceState, launch: Launch) -> CanaryDeviceState:
+    """Appends one launch's rows and bumps its counters."""
+    pending = pending_rows([(launch.flags, launch.build_rows)], state.violation_log.ring_capacity)
+    return apply(state, pending, [launch])
+
+
+def verify_launch(
+    canary_buf: jax.Array,
+    plan: VerifyPlan,
+    *,
+    tag: int,
+    real_kv_sources: Sequence[realkv.RealKvSource],
+    real_kv_hash_mode: RealKvHashMode,
+    check_expected_token: bool,
+    backend: str,
+) -> Launch:
+    """:func:`canary_verify`'s launch, from already checked arguments: its fail bits, row builder and count."""
+    capacity = np.shape(plan.slot_indices)[0]  # the array itself is checked by pallas_kernels
+    active = jnp.where(plan.enable[0] != 0, jnp.clip(plan.num_valid[0], 0, capacity), 0)
+    bits = verify_api.verify(
+        canary_buf,
+        plan.slot_indices,
+        plan.expected_tokens,
+        plan.expected_positions,
+        plan.prev_slot_indices,
+        active,
+        real_kv_sources=real_kv_sources,
+        real_kv_hash_mode=int(real_kv_hash_mode),
+        check_expected_token=check_expected_token,
+        backend=backend,
+    )
+
+    def build_rows(entry):
+        slot, prev = plan.slot_indices[entry], plan.prev_slot_indices[entry]
+        token, position, prev_hash, _ = records.load(canary_buf, slot)
+        expected_chain = hash64.where(prev != 0, records.slot_hash(canary_buf, prev), prev_hash)
+        expected_token = plan.expected_tokens[entry] if check_expected_token else jnp.full_like(entry, -1)
+        return _ring.pack_row(
+            [
+                hash64.const(tag, entry),
+                hash64.from_i32(slot),
+                position,
+                token,
+                hash64.from_i32(expected_token),
+                prev_hash,
+                expected_chain,
+                hash64.from_i32(bits[entry]),
+            ]
+        )
+
+    return Launch(tag, bits != 0, build_rows, active)
+
+
+def write_launch(
+    canary_buf: jax.Array,
+    plan: WritePlan,
+    input_ids: jax.Array,
+    positions: jax.Array,
+    out_cache_loc: jax.Array,
+    enable_chain_position_assert: jax.Array,
+    *,
+    tag: int,
+    real_kv_sources: Sequence[realkv.RealKvSource],
+    real_kv_hash_mode: RealKvHashMode,
+    expected_inputs: tuple[jax.Array, jax.Array] | None,
+    backend: str,
+    store_after: jax.Array,
+) -> tuple[jax.Array, Launch]:
+    """:func:`canary_write`'s new buffer and launch, from already checked arguments.
+
+    ``expected_inputs`` is ``(tokens, positions)`` of the input assert, or None. ``store_after`` is a traced int32
+    zero (:func:`kvcanary_jax.core._ring.after`) that orders the in-place store after rows already gathered from
+    this buffer.
+    """
+    new_buf, chain = write_api.write(
+        canary_buf,
+        plan.write_offsets,
+        plan.seed_slot_indices,
+        plan.num_valid_reqs,
+        input_ids,
+        positions,
+        out_cache_loc + store_after,
+        enable_chain_position_assert,
+        real_kv_sources=real_kv_sources,
+        real_kv_hash_mode=int(real_kv_hash_mode),
+        backend=backend,
+    )
+    input_bits = jnp.zeros_like(input_ids)
+    if expected_inputs is not None:
+        expected_tokens, expected_positions = expected_inputs
+        input_bits = jnp.where(chain.written & (input_ids != expected_tokens), layout.FAIL_WRITE_TOKEN, 0)
+        input_bits |= jnp.where(chain.written & (positions != expected_positions), layout.FAIL_WRITE_POSITION, 0)
+    # Entry-major, input-assert row before chain-position row: SGLang's order within one entry.
+    flags = jnp.stack([input_bits != 0, chain.position_assert_failed], axis=1)
+
+    def build_rows(entry):
+        i, is_chain_row = entry // 2, entry % 2 == 1
+        token, position = input_ids[i], positions[i]
+        if expected_inputs is None:
+            expected_token, input_aux = token, hash64.from_i32(position)
+        else:
+            expected_token = jnp.where(is_chain_row, token, expected_tokens[i])
+            input_aux = hash64.from_i32(expected_positions[i])
+        aux = hash64.where(is_chain_row, hash64.split(chain.expected_position[i]), input_aux)
+        bits = jnp.where(is_chain_row, layout.FAIL_WRITE_POSITION, input_bits[i])
+        return _ring.pack_row(
+            [
+                hash64.const(tag, entry),
+                hash64.from_i32(out_cache_loc[i]),
+                hash64.from_i32(position),
+                hash64.from_i32(token),
+                hash64.from_i32(expected_token),
+                hash64.split(chain.prev_hash[i]),
+                aux,
+                hash64.from_i32(bits),
+            ]
+        )
+
+    return new_buf, Launch(tag, flags, build_rows, jnp.sum(chain.written, dtype=jnp.int32))
+
+
+def _check_common(state, tag, real_kv_sources, real_kv_hash_mode):
+    """What the public ops check themselves; arrays, sources and the backend are ``pallas_kernels``' to check."""
+    if not isinstance(state, CanaryDeviceState):
+        raise TypeError(f"state must be a CanaryDeviceState; got {type(state).__name__}")
+    # int(): a CanaryLaunchTag becomes a plain int; a bool is left as is, so static_int rejects it.
+    tag = checks.static_int(
+        "tag", int(tag) if type(tag) is not bool and isinstance(tag, int) else tag, maximum=state.num_tags
+    )
+    return tag, real_kv_sources, parse_real_kv_hash_mode(real_kv_hash_mode)
+
+
+def canary_verify(
+    state: CanaryDeviceState,
+    canary_buf: jax.Array,
+    plan: VerifyPlan,
+    *,
+    tag: int,
+    real_kv_sources: Sequence[realkv.RealKvSource] = (),
+    real_kv_hash_mode: RealKvHashMode | int | str = RealKvHashMode.NONE,
+    check_expected_token: bool = False,
+    backend: str = "auto",
+) -> CanaryDeviceState:
+    """Verifies the plan's slots against their records; violations go to the ring.
+
+    Args:
+      state: the device state (ring, counters, flags).
+      canary_buf: u32[num_slots, 4, 2] records of one endpoint (read only).
+      plan: the verify plan; nothing is checked when ``plan.enable == 0``.
+      tag: static launch tag (a :class:`CanaryLaunchTag`), stamped into rows and counters.
+      real_kv_sources: up to 4 sources whose bytes must still fold to each slot's REAL_KV_HASH.
+      real_kv_hash_mode: NONE, PARTIAL or ALL.
+      check_expected_token: compare stored tokens with ``plan.expected_tokens`` (needs the expected-token pool).
+      backend: ``"auto"``, ``"xla"``, ``"pallas"`` or ``"interpret"``.
+
+    Returns:
+      The new state: ring rows in plan-entry order; ``kernel_run_counters[tag] += 1``;
+      ``slot_run_counters[tag] += active entries`` (padding-slot entries included).
+
+    Raises:
+      ValueError, TypeError: for bad shapes, dtypes or static arguments; NotImplementedError for a backend that
+      cannot run here.
+    """
+    tag, sources, mode = _check_common(state, tag, real_kv_sources, real_kv_hash_mode)
+    if not isinstance(plan, VerifyPlan):
+        raise TypeError(f"plan must be a VerifyPlan; got {type(plan).__name__}")
+    for name in ("num_valid", "enable"):
+        checks.array(f"plan.{name}", getattr(plan, name), dtype=jnp.int32, shape=(1,))
+    if not isinstance(check_expected_token, bool):
+        raise TypeError(f"check_expected_token must be a static bool; got {check_expected_token!r}")
+    if check_expected_token and state.req_to_verify_expected_tokens is None:
+        raise ValueError(
+            "check_expected_token=True needs the expected-token pool, but state.req_to_verify_expected_tokens is "
+            "None; allocate the state with CanaryConfig(enable_verify_token_assert=True)"
+        )
+    launch = verify_launch(
+        canary_buf,
+        plan,
+        tag=tag,
+        real_kv_sources=sources,
+        real_kv_hash_mode=mode,
+        check_expected_token=check_expected_token,
+        backend=backend,
+    )
+    return commit(state, launch)
+
+
+def canary_write(
+    state: CanaryDeviceState,
+    canary_buf: jax.Array,
+    plan: WritePlan,
+    input_ids: jax.Array,
+    positions: jax.Array,
+    out_cache_loc: jax.Array,
+    *,
+    tag: int,
+    real_kv_sources: Sequence[realkv.RealKvSource] = (),
+    real_kv_hash_mode: RealKvHashMode | int | str = RealKvHashMode.NONE,
+    expected_input_tokens: jax.Array | None = None,
+    expected_input_positions: jax.Array | None = None,
+    backend: str = "auto",
+) -> tuple[jax.Array, CanaryDeviceState]:
+    """Writes the records of this step's tokens, chaining each request from its seed slot.
+
+    Args:
+      state: the device state.
+      canary_buf: u32[num_slots, 4, 2]; donate it under ``jax.jit`` so the update is in place.
+      plan: the write plan from :func:`build_plans`.
+      input_ids, positions, out_cache_loc: i32[T] this step's tokens, request-major; ``out_cache_loc < 0`` skips
+        an entry (it is not stored and does not advance the chain).
+      tag: static launch tag.
+      real_kv_sources, real_kv_hash_mode: fold the slots' KV bytes into REAL_KV_HASH (TAIL endpoints).
+      expected_input_tokens, expected_input_positions: i32[T] oracle values; given together, they turn on the
+        input assert (WRITE_TOKEN / WRITE_POSITION rows).
+      backend: ``"auto"``, ``"xla"``, ``"pallas"`` or ``"interpret"``.
+
+    Returns:
+      ``(canary_buf, state)``; ``slot_run_counters[tag] += written entries``.
+
+    Raises:
+      ValueError, TypeError: for bad shapes, dtypes or static arguments.
+    """
+    tag, sources, mode = _check_common(state, tag, real_kv_sources, real_kv_hash_mode)
+    if not isinstance(plan, WritePlan):
+        raise TypeError(f"plan must be a WritePlan; got {type(plan).__name__}")
+    expected_inputs = _expected_inputs(input_ids, expected_input_tokens, expected_input_positions)
+    checks.array("out_cache_loc", out_cache_loc, dtype=jnp.int32, ndim=1)  # before the ordering zero is added
+    new_buf, launch = write_launch(
+        canary_buf,
+        plan,
+        input_ids,
+        positions,
+        out_cache_loc,
+        state.enable_chain_position_assert,
+        tag=tag,
+        real_kv_sources=sources,
+        real_kv_hash_mode=mode,
+        expected_inputs=expected_inputs,
+        backend=backend,
+        store_after=_ring.after(state.violation_log.violation_ring),
+    )
+    return new_buf, commit(state, launch)
+
+
+def _expected_inputs(input_ids, tokens, positions) -> tuple[jax.Array, jax.Array] | None:
+    """The input assert's oracle arrays, checked against ``input_ids``; None when the assert is off."""
+    if (tokens is None) != (positions is None):
+        raise ValueError(
+            "expected_input_tokens and expected_input_positions turn on the input assert together; got only "
+            f"{'expected_input_tokens' if positions is None else 'expected_input_positions'}"
+        )
+    if tokens is None:
+        return None
+    arrays = {"input_ids": input_ids, "expected_input_tokens": tokens, "expected_input_positions": positions}
+    for name, x in arrays.items():
+        checks.array(name, x, dtype=jnp.int32, ndim=1)
+    checks.same_length(arrays)
+    return tokens, positions

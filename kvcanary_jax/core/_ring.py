@@ -1,0 +1,111 @@
+"""The fill-once violation ring: a deterministic emulation of SGLang's atomic append.
+
+SGLang reserves ``idx = atomicAdd(index, 1)`` and writes row ``idx`` only if ``idx < capacity``. Here the
+reservation is a prefix sum over each launch's violation flags, so rows land in launch order and, within a launch,
+in flag (plan-entry) order on every backend. An append has two halves, so that several launches share one prefix
+sum and one ring update (the decode step's launches are many and small):
+
+* :func:`first_entries` ranks every launch's flags with one exclusive prefix sum and lists, per launch, the entry
+  ids of its first ``capacity`` set flags (the ``mode="drop"`` scatter of SPEC §2, over every launch at once);
+  the caller turns those ids into rows;
+* :func:`place` writes the rows at the ring's write index, launch after launch, and advances the index.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from kvcanary_jax.core._state import ViolationLog
+from pallas_kernels import hash64
+
+_INT32_MAX = jnp.iinfo(jnp.int32).max
+
+
+@dataclasses.dataclass(frozen=True)
+class PendingRows:
+    """One launch's violations, ready to place.
+
+    Attributes:
+      count: i32[] flags the launch set (the write index grows by this much).
+      rows: u32[capacity, 8, 2]; row k belongs to the launch's k-th set flag, for k < min(count, capacity).
+    """
+
+    count: jax.Array
+    rows: jax.Array
+
+
+def pack_row(fields) -> jax.Array:
+    """Eight u64 fields (each a (lo, hi) pair) to a ``u32[..., 8, 2]`` violation row."""
+    return jnp.stack([hash64.join(f) for f in fields], axis=-2)
+
+
+def first_entries(flags: Sequence[jax.Array], capacity: int) -> tuple[jax.Array, jax.Array]:
+    """Counts each launch's set flags and lists the entry ids of its first ``capacity`` ones, in flag order.
+
+    One exclusive prefix sum over every launch's flags gives each flag its rank in its launch, and one scatter
+    with ``mode="drop"`` (sentinel = out of range) puts the entry ids of each launch's first ``capacity`` flags
+    in rank order.
+
+    Args:
+      flags: per launch, bool flags in append order (any shape; flattened row-major).
+      capacity: the ring's row count.
+
+    Returns:
+      ``(counts i32[L], entries i32[L, capacity])``; ``entries[i, k]`` is launch i's k-th flagged entry for
+      ``k < min(counts[i], capacity)``, and 0 past that.
+    """
+    flat = [f.reshape(-1) for f in flags]
+    sizes = [f.shape[0] for f in flat]
+    ones = jnp.concatenate([*flat, jnp.zeros((0,), bool)]).astype(jnp.int32)
+    set_before = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(ones)])  # set flags before each entry
+    bounds = np.cumsum([0, *sizes])  # static launch boundaries
+    at_bounds = set_before[bounds]
+    counts = at_bounds[1:] - at_bounds[:-1]
+    launch = jnp.asarray(np.repeat(np.arange(len(sizes), dtype=np.int32), sizes))
+    rank = set_before[:-1] - at_bounds[:-1][launch]  # exclusive prefix sum within the launch
+    dropped = len(sizes) * capacity
+    target = jnp.where((ones != 0) & (rank < capacity), launch * capacity + rank, dropped)
+    local = jnp.arange(ones.shape[0], dtype=jnp.int32) - jnp.asarray(bounds[:-1], jnp.int32)[launch]
+    entries = jnp.zeros((dropped,), jnp.int32).at[target].set(local, mode="drop")
+    return counts, entries.reshape(len(sizes), capacity)
+
+
+def after(*rows: jax.Array) -> jax.Array:
+    """A traced int32 zero that depends on ring rows (``u32[capacity, 8, 2]``: pending rows or the ring itself).
+
+    Rows gather records from a canary buffer; adding this zero to a later in-place store's slots makes the store
+    wait for them, so XLA neither schedules the gather after the store nor copies the whole buffer to keep its old
+    bytes. Word [0, 7, 0] is a row's fail bits, always < 2^31, and XLA cannot fold the shift to a constant.
+    """
+    zero = jnp.zeros((), jnp.int32)
+    for r in rows:
+        zero = zero + lax.shift_right_logical(r[0, 7, 0], jnp.uint32(31)).astype(jnp.int32)
+    return zero
+
+
+def _saturating_add(a: jax.Array, b: jax.Array) -> jax.Array:
+    """``a + b`` for non-negative int32s, stopping at 2^31 - 1 instead of wrapping."""
+    return a + jnp.minimum(b, _INT32_MAX - a)
+
+
+def place(log: ViolationLog, pending: Sequence[PendingRows]) -> ViolationLog:
+    """Writes the launches' rows at the write index, in launch order, where the fill-once ring has room.
+
+    Returns:
+      The updated log; the index grows by every launch's count, saturating at 2^31 - 1 instead of wrapping.
+    """
+    capacity = log.ring_capacity
+    row = jnp.arange(capacity, dtype=jnp.int32)
+    ring, start = log.violation_ring, log.violation_write_index[0]
+    for p in pending:
+        k = row - start  # ring row start + k holds the launch's k-th row
+        fresh = (k >= 0) & (k < p.count)
+        ring = jnp.where(fresh[:, None, None], p.rows[jnp.clip(k, 0, capacity - 1)], ring)
+        start = _saturating_add(start, p.count)
+    return ViolationLog(violation_ring=ring, violation_write_index=start.reshape(1).astype(jnp.int32))

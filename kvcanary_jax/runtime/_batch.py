@@ -1,0 +1,87 @@
+"""The pytrees a wrapped step threads through: ``CanaryBatch`` (what the canary sees of a step) and ``CanaryState``."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+
+from kvcanary_jax.core._state import CanaryDeviceState, ViolationLog
+from kvcanary_jax.runtime import _pool
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class CanaryBatch:
+    """One forward step as the canary sees it: static shapes, int32 arrays, request-major tokens.
+
+    A batch has ``bs`` rows (requests) and ``T`` token entries. Row ``r`` owns the ``extend_lens[r]`` entries
+    starting at ``sum(extend_lens[:r])``. Padding rows (``req_pool_indices == 0``) come after the real rows and own
+    no tokens; entries past ``sum(extend_lens)`` are padding too. How the usual step shapes map onto the fields:
+
+    ================================  ==========================  =============================
+    step                              ``prefix_lens[r]``           ``extend_lens[r]``
+    ================================  ==========================  =============================
+    decode                            tokens already cached        1
+    prefill (with a prefix-cache hit) cached prefix length (0)     prompt tokens run this step
+    chunked prefill                   tokens of earlier chunks     this chunk's length
+    speculative target-verify         accepted tokens cached       1 + number of draft tokens
+    speculative draft-extend          accepted tokens cached       tokens the draft model runs
+    ================================  ==========================  =============================
+
+    Attributes:
+      req_pool_indices: i32[bs] row of each request in ``req_to_token`` (0 = padding row; row 0 is never real).
+      prefix_lens: i32[bs] tokens of the request whose KV is already cached before this step (verified).
+      extend_lens: i32[bs] tokens this step appends (written).
+      req_to_token: i32[max_reqs, max_context_len] full-pool KV slot of each (request row, position), already
+        holding this step's slots; slot 0 is the padding slot.
+      input_ids: i32[T] token id of each new entry.
+      positions: i32[T] 0-based position of each new entry in its request.
+      out_cache_loc: i32[T] full-pool slot each new entry's KV goes to; < 0 skips the entry.
+      full_to_swa_index_mapping: i32[num_slots + 1] full slot -> SWA slot (0 = not resident). Required with an
+        SWA group, ignored otherwise.
+      expected_input_ids: i32[T] what each input token should be, from an independent source (a token oracle, the
+        request's history). Required when ``config.enable_write_input_assert``, ignored otherwise.
+      expected_positions: i32[T] expected positions for the input assert; None = ``positions``.
+      token_ids: i32[max_reqs, max_context_len] token id of each (request row, position), mirroring
+        ``req_to_token``. Required when ``config.enable_verify_token_assert``, ignored otherwise.
+      token_ids_lens: i32[bs] how many leading ``token_ids`` of each row are known (checks past it are skipped).
+    """
+
+    req_pool_indices: jax.Array
+    prefix_lens: jax.Array
+    extend_lens: jax.Array
+    req_to_token: jax.Array
+    input_ids: jax.Array
+    positions: jax.Array
+    out_cache_loc: jax.Array
+    full_to_swa_index_mapping: jax.Array | None = None
+    expected_input_ids: jax.Array | None = None
+    expected_positions: jax.Array | None = None
+    token_ids: jax.Array | None = None
+    token_ids_lens: jax.Array | None = None
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class CanaryState:
+    """All device state of one canary, threaded through the user's jitted step and donated.
+
+    Attributes:
+      device: ring, counters and flags shared by every launch (:class:`CanaryDeviceState`).
+      full: FULL-group buffers (None when the canary is off).
+      swa: SWA-group buffers (None without an SWA group or when off).
+      verify_overflows: i32[1] per-forward verify plans that overflowed their capacity and were skipped.
+    """
+
+    device: CanaryDeviceState
+    full: _pool.GroupBuffers | None
+    swa: _pool.GroupBuffers | None
+    verify_overflows: jax.Array
+
+    @property
+    def violation_log(self) -> ViolationLog:
+        return self.device.violation_log
+
+    def buffers(self, group: _pool.Group) -> _pool.GroupBuffers:
+        return getattr(self, group.name)

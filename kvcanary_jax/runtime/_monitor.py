@@ -1,0 +1,168 @@
+"""Host monitor: lagged, non-blocking reads of the violation count; log or raise; health watchdog; stats lines."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kvcanary_jax.core import _constants, _report
+from kvcanary_jax.core._constants import CanaryMode
+from kvcanary_jax.core._state import u64_pairs_as_int64
+from kvcanary_jax.runtime import _health
+from kvcanary_jax.runtime._batch import CanaryState
+from kvcanary_jax.runtime._canary import KvCanary
+
+logger = logging.getLogger("kvcanary_jax.monitor")  # a stable name users filter on, whatever the module path
+
+_NUM_COUNTER_WORDS = _constants.NUM_LAUNCH_TAGS * 2
+
+
+@jax.jit
+def _snapshot(write_index, verify_overflows, kernel_run_counters, slot_run_counters) -> jax.Array:
+    """A fresh i32 copy of what the host polls, so the state itself can be donated to the next step."""
+    as_i32 = lambda x: jax.lax.bitcast_convert_type(x, jnp.int32).reshape(-1)  # noqa: E731
+    return jnp.concatenate([write_index, verify_overflows, as_i32(kernel_run_counters), as_i32(slot_run_counters)])
+
+
+def _unpack(values: np.ndarray) -> tuple[int, int, np.ndarray, np.ndarray]:
+    counters = values[2:].view(np.uint32).reshape(2, _constants.NUM_LAUNCH_TAGS, 2)
+    return int(values[0]), int(values[1]), u64_pairs_as_int64(counters[0]), u64_pairs_as_int64(counters[1])
+
+
+@dataclasses.dataclass(frozen=True)
+class ObservedViolation:
+    """A violation with the step whose launches wrote it and the step at which the host read it.
+
+    Attributes:
+      violation: the decoded ring row.
+      step: the monitor step (1-based count of ``after_step`` calls) whose launches appended the row.
+      observed_step: the monitor step at which the host read it (``step + check_lag_steps`` normally).
+      row: the row's index in the ring.
+    """
+
+    violation: _report.Violation
+    step: int
+    observed_step: int
+    row: int
+
+
+class CanaryMonitor:
+    """Polls a :class:`KvCanary`'s state after every step without stalling it.
+
+    After each step it snapshots the write index (and counters) on device and starts an async copy to the host;
+    it reads that copy ``config.check_lag_steps`` steps later and pulls the ring only when the index grew. In
+    ``log`` mode each new violation is one WARNING; in ``raise`` mode the first read that finds new violations raises
+    :class:`KvCanaryViolationError`. Every ``health_check_every_n_steps`` it raises :class:`KvCanaryHealthError` (in
+    every mode) if a launch tag stopped running; every ``stats_every_n_steps`` it logs SGLang's stats line.
+
+    Call :meth:`after_step` once per outer step, after the step (and a sweep, if one ran), before the state is
+    donated again; call :meth:`final_check` at shutdown.
+
+    Args:
+      canary: the :class:`KvCanary` whose state is polled.
+      log: where messages go; default the ``kvcanary_jax.monitor`` logger.
+    """
+
+    def __init__(self, canary: KvCanary, *, log: logging.Logger | logging.LoggerAdapter | None = None):
+        if not isinstance(canary, KvCanary):
+            raise TypeError(f"canary must be a KvCanary; got {type(canary).__name__}")
+        self.canary = canary
+        self.config = canary.config
+        self.log = log or logger
+        self.step = 0
+        self.observed: list[ObservedViolation] = []
+        self.watchdog = _health.HealthWatchdog(canary.launch_tags())
+        self._pending: collections.deque[tuple[int, jax.Array]] = collections.deque()
+        self._index = 0  # write index as of the last processed snapshot
+        self._overflows = 0
+        self._report: _report.ViolationReport | None = None  # the last pulled ring
+
+    @property
+    def sweep_due(self) -> bool:
+        """Whether the step now running should end with a sweep: the first step, then every ``sweep_interval``."""
+        interval = self.config.sweep_interval
+        return self.canary.enabled and interval > 0 and self.step % interval == 0
+
+    def after_step(self, state: CanaryState) -> None:
+        """Stages this step's snapshot and processes the one from ``check_lag_steps`` steps ago.
+
+        Raises:
+          KvCanaryViolationError: in raise mode, when a processed snapshot shows new violations.
+          KvCanaryHealthError: when a health check finds a tag that did not run.
+        """
+        self.step += 1
+        if not self.canary.enabled:
+            return
+        snapshot = self._take_snapshot(state)
+        snapshot.copy_to_host_async()
+        self._pending.append((self.step, snapshot))
+        while self._pending and self._pending[0][0] <= self.step - self.config.check_lag_steps:
+            self._process(*self._pending.popleft(), state)
+
+    def final_check(self, state: CanaryState) -> _report.ViolationReport:
+        """Blocking: processes every pending snapshot and the state as it is now; returns the full _report.
+
+        Raises:
+          KvCanaryViolationError: in raise mode, if violations not yet raised are found.
+        """
+        if self.canary.enabled:
+            while self._pending:
+                self._process(*self._pending.popleft(), state)
+            self._process(self.step, self._take_snapshot(state), state, periodic=False)
+        return _report.read_violations(state.violation_log)
+
+    @staticmethod
+    def _take_snapshot(state: CanaryState) -> jax.Array:
+        d = state.device
+        return _snapshot(
+            d.violation_log.violation_write_index, state.verify_overflows, d.kernel_run_counters, d.slot_run_counters
+        )
+
+    def _process(self, step: int, snapshot: jax.Array, state: CanaryState, periodic: bool = True) -> None:
+        index, overflows, kernel, slot = _unpack(np.asarray(snapshot))
+        if overflows > self._overflows:
+            capacities = {g.name: g.verify_capacity for g in self.canary.groups}
+            self.log.warning(
+                "kv-canary: per-forward verify skipped %d time(s) due to overflow (step=%d, capacities=%s); "
+                "check CanaryPool verify_capacity / pool sizing",
+                overflows - self._overflows,
+                step,
+                capacities,
+            )
+            self._overflows = overflows
+        if index > self._index:
+            self._collect(step, index, state)
+        if periodic and self.config.health_check_every_n_steps and step % self.config.health_check_every_n_steps == 0:
+            self.watchdog.check(kernel, step=step)
+        if periodic and self.config.stats_every_n_steps and step % self.config.stats_every_n_steps == 0:
+            self.log.info(
+                _health.stats_line(step=step, kernel_run_counters=kernel, slot_run_counters=slot, write_index=index)
+            )
+
+    def _collect(self, step: int, index: int, state: CanaryState) -> None:
+        """Reports ring rows ``[previous index, index)``, all written by ``step``; pulls the ring only if needed."""
+        capacity = self.config.ring_capacity
+        first, last = min(self._index, capacity), min(index, capacity)
+        if last > first and (self._report is None or self._report.ring_valid_count < last):
+            self._report = _report.read_violations(state.violation_log)  # a sync, only when there is news
+        new = [ObservedViolation(self._report.violations[row], step, self.step, row) for row in range(first, last)]
+        dropped = index - max(self._index, capacity) if index > capacity else 0
+        self._index = index
+        self.observed.extend(new)
+        messages = [
+            _report.format_violation(o.violation, total=index, overflowed=index > capacity, step=self.step) for o in new
+        ]
+        if dropped:
+            messages.append(
+                f"kv-canary: {dropped} more violation(s) at step={step} were dropped: the ring "
+                f"(ring_capacity={capacity}) is full"
+            )
+        if self.config.mode is CanaryMode.RAISE:
+            raise _report.KvCanaryViolationError(_report.read_violations(state.violation_log), "\n".join(messages))
+        for message in messages:
+            self.log.warning(message)

@@ -1,0 +1,176 @@
+"""What the runner needs to know about the user's KV pool: slot counts, page size, the SWA group, real-KV sources."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import jax
+
+from kvcanary_jax.core._constants import CanaryLaunchTag, Half, Phase, PoolKind, launch_tag
+from pallas_kernels.realkv import RealKvSource
+
+
+def _positive(name: str, value) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ValueError(f"{name} must be a positive int; got {name}={value!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class SwaGroup:
+    """The sliding-window sub-pool of a hybrid model (SGLang's SWAKVPool).
+
+    Its slots are addressed through the full->SWA table (``full_to_swa_index_mapping``), which travels with each
+    batch because it changes as windows slide. Per-forward verify covers only the last ``window`` cached positions.
+
+    Attributes:
+      num_slots: slots of the SWA pool (slot 0 is padding).
+      window: sliding-window length in tokens (> 0).
+      page_size: slots per page of the SWA KV arrays; None = the full pool's page size.
+      verify_capacity: most verify entries per forward; None = 3 * num_slots (SGLang's sizing).
+    """
+
+    num_slots: int
+    window: int
+    page_size: int | None = None
+    verify_capacity: int | None = None
+
+    def __post_init__(self):
+        _positive("SwaGroup.num_slots", self.num_slots)
+        _positive("SwaGroup.window", self.window)
+        for name in ("page_size", "verify_capacity"):
+            if getattr(self, name) is not None:
+                _positive(f"SwaGroup.{name}", getattr(self, name))
+
+
+@dataclasses.dataclass(frozen=True)
+class CanaryPool:
+    """Static description of the KV pool the canary shadows.
+
+    Attributes:
+      num_slots: token slots of the full pool, including padding slot 0 (the canary keeps one record per slot).
+      page_size: slots per page of the KV arrays: slot ``s`` lives at ``[s // page_size, s % page_size]``.
+      swa: the optional sliding-window group (a :class:`SwaGroup`).
+      with_v: also launch the V-half endpoints (SGLang launches K only unless ENABLE_MHA_V).
+      verify_capacity: most FULL verify entries per forward (sum of cached prefix lengths in a batch); None =
+        3 * num_slots. A batch over capacity skips its verify for that step (counted as an overflow).
+      max_reqs, max_context_len: shape of ``req_to_token``; needed only for the verify-token assert, which keeps a
+        per-request expected-token pool of that shape.
+      kv_token_id_vs_position_offset: the token whose KV sits at position p is token p + offset (1 for an EAGLE
+        draft pool; 0 otherwise).
+    """
+
+    num_slots: int
+    page_size: int = 1
+    swa: SwaGroup | None = None
+    with_v: bool = True
+    verify_capacity: int | None = None
+    max_reqs: int | None = None
+    max_context_len: int | None = None
+    kv_token_id_vs_position_offset: int = 0
+
+    def __post_init__(self):
+        _positive("CanaryPool.num_slots", self.num_slots)
+        _positive("CanaryPool.page_size", self.page_size)
+        for name in ("verify_capacity", "max_reqs", "max_context_len"):
+            if getattr(self, name) is not None:
+                _positive(f"CanaryPool.{name}", getattr(self, name))
+        if self.swa is not None and not isinstance(self.swa, SwaGroup):
+            raise TypeError(f"CanaryPool.swa must be a SwaGroup or None; got {type(self.swa).__name__}")
+        if not isinstance(self.with_v, bool):
+            raise TypeError(f"CanaryPool.with_v must be a bool; got with_v={self.with_v!r}")
+        if not isinstance(self.kv_token_id_vs_position_offset, int):
+            raise TypeError(
+                f"kv_token_id_vs_position_offset must be an int; got {self.kv_token_id_vs_position_offset!r}"
+            )
+
+    @property
+    def groups(self) -> tuple[Group, ...]:
+        """The buffer groups, FULL first (SGLang's launch order)."""
+        full = Group(PoolKind.FULL, self.num_slots, self.page_size, 0, self.verify_capacity or 3 * self.num_slots)
+        if self.swa is None:
+            return (full,)
+        s = self.swa
+        swa = Group(
+            PoolKind.SWA, s.num_slots, s.page_size or self.page_size, s.window, s.verify_capacity or 3 * s.num_slots
+        )
+        return (full, swa)
+
+
+@dataclasses.dataclass(frozen=True)
+class Group:
+    """One buffer group as the runner uses it (derived from :class:`CanaryPool`)."""
+
+    kind: PoolKind
+    num_slots: int
+    page_size: int
+    window: int
+    verify_capacity: int
+
+    @property
+    def name(self) -> str:
+        return self.kind.name.lower()
+
+    def tag(self, phase: Phase, half: Half) -> CanaryLaunchTag:
+        """The launch tag of ``phase`` and ``half`` in this group."""
+        return launch_tag(phase, half, self.kind)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class GroupBuffers:
+    """A group's canary buffers, each ``u32[num_slots, 4, 2]``; the V pair is None when V is not launched.
+
+    HEAD launches use the head buffers; TAIL and SWEEP launches use the tail buffers, as in SGLang.
+    """
+
+    k_head: jax.Array
+    k_tail: jax.Array
+    v_head: jax.Array | None = None
+    v_tail: jax.Array | None = None
+
+    @staticmethod
+    def _field(phase: Phase, half: Half) -> str:
+        return f"{half.name.lower()}_{'head' if phase is Phase.HEAD else 'tail'}"
+
+    def buffer(self, phase: Phase, half: Half) -> jax.Array:
+        """The buffer ``phase``'s ``half`` launches read and write."""
+        return getattr(self, self._field(phase, half))
+
+    def with_buffer(self, phase: Phase, half: Half, buf: jax.Array) -> GroupBuffers:
+        return dataclasses.replace(self, **{self._field(phase, half): buf})
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class KvSources:
+    """Which KV bytes feed REAL_KV_HASH, per group and half (SGLang folds layer 0's K and V rows).
+
+    Each field is a tuple of up to 4 :class:`RealKvSource`; build it with :meth:`KvCanary.kv_sources`. The same
+    sources must be given to ``after_forward`` and ``sweep``: the TAIL write stores the fold, the later TAIL and
+    SWEEP verifies recompute it.
+    """
+
+    full_k: tuple[RealKvSource, ...] = ()
+    full_v: tuple[RealKvSource, ...] = ()
+    swa_k: tuple[RealKvSource, ...] = ()
+    swa_v: tuple[RealKvSource, ...] = ()
+
+    def get(self, group: Group, half: Half) -> tuple[RealKvSource, ...]:
+        return getattr(self, f"{group.name}_{half.name.lower()}")
+
+
+def as_sources(name: str, value, page_size: int) -> tuple[RealKvSource, ...]:
+    """One field of :class:`KvSources` from None, an array, a RealKvSource, or a sequence of those."""
+    if value is None:
+        return ()
+    items = value if isinstance(value, Sequence) else (value,)
+    out = []
+    for i, item in enumerate(items):
+        if isinstance(item, RealKvSource):
+            out.append(item)
+        elif hasattr(item, "shape") and hasattr(item, "dtype"):
+            out.append(RealKvSource(item, page_size=page_size))
+        else:
+            raise TypeError(f"{name}[{i}] must be a KV array or a RealKvSource; got {type(item).__name__}")
+    return tuple(out)

@@ -1,0 +1,161 @@
+"""``ShardedCanaryMonitor``: the host monitor over a mesh, one :class:`CanaryMonitor` per device, one merged _report.
+
+Each device's monitor polls that device's own write index and counters (lagged, non-blocking, as on one device).
+Violations are reported here instead, device-major, from the merged report: SGLang's message plus the device's mesh
+coordinates and, for a ``SHARD_CHAIN_MISMATCH`` row, the peer's. Other lines of a device's monitor (overflow
+warnings, dropped-row notes, stats) pass through with the device appended. Single-process meshes only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import jax
+
+from kvcanary_jax.core import _report
+from kvcanary_jax.core._constants import CanaryMode
+from kvcanary_jax.core._state import ViolationLog
+from kvcanary_jax.runtime import _health, _monitor
+from kvcanary_jax.runtime._batch import CanaryState
+from kvcanary_jax.sharded import _layout
+from kvcanary_jax.sharded import _report as _sharded_report
+from kvcanary_jax.sharded._canary import ShardedKvCanary
+
+_VIOLATION_PREFIX = "kv_canary violation:"  # SGLang's frozen first line
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceObservedViolation:
+    """An observed violation and where it happened.
+
+    Attributes:
+      device: mesh coordinates of the reporting device.
+      peer: mesh coordinates of the consensus shard of a ``SHARD_CHAIN_MISMATCH`` row, else None.
+      observed: the violation with its step, observed step and ring row (in that device's ring).
+    """
+
+    device: _layout.Coords
+    peer: _layout.Coords | None
+    observed: _monitor.ObservedViolation
+
+
+class _DeviceLog(logging.LoggerAdapter):
+    """A device's monitor log: drops its violation lines (written by the sharded monitor) and labels the rest."""
+
+    def __init__(self, logger: logging.Logger, label: str):
+        super().__init__(logger, {})
+        self.label = label
+
+    def log(self, level, msg, *args, **kwargs):
+        if isinstance(msg, str) and msg.startswith(_VIOLATION_PREFIX):
+            return
+        super().log(level, f"{msg} [device {self.label}]", *args, **kwargs)
+
+
+class ShardedCanaryMonitor:
+    """Polls a :class:`ShardedKvCanary`'s per-device state after every step without stalling it.
+
+    Call :meth:`after_step` once per outer step and :meth:`final_check` at shutdown, as with
+    :class:`~kvcanary_jax.CanaryMonitor`. In ``raise`` mode the error's ``.report`` is a
+    :class:`~kvcanary_jax.ShardedViolationReport`; a health error names the stalled devices.
+    """
+
+    def __init__(self, sharded: ShardedKvCanary, *, log: logging.Logger | None = None):
+        if not isinstance(sharded, ShardedKvCanary):
+            raise TypeError(f"sharded must be a ShardedKvCanary; got {type(sharded).__name__}")
+        self.sharded = sharded
+        self.config = sharded.canary.config
+        self.log = log or _monitor.logger
+        lay = sharded.mesh_layout
+        # Device monitors only log: raising is decided here, once every device has been polled.
+        mode = CanaryMode.LOG if self.config.mode is CanaryMode.RAISE else self.config.mode
+        quiet = dataclasses.replace(sharded.canary, config=dataclasses.replace(self.config, mode=mode))
+        self.monitors = {
+            coords: _monitor.CanaryMonitor(quiet, log=_DeviceLog(self.log, lay.label(coords)))
+            for coords, _ in lay.devices()
+        }
+        self.observed: list[DeviceObservedViolation] = []
+
+    @property
+    def step(self) -> int:
+        """Outer steps seen so far (every device's monitor has seen the same)."""
+        return next(iter(self.monitors.values())).step
+
+    @property
+    def sweep_due(self) -> bool:
+        """Whether the step now running should end with a sweep (see ``CanaryMonitor.sweep_due``)."""
+        return next(iter(self.monitors.values())).sweep_due
+
+    def after_step(self, state: CanaryState) -> None:
+        """Lets every device's monitor poll, then reports new violations device-major.
+
+        Raises:
+          KvCanaryViolationError: in raise mode, when any device shows new violations.
+          KvCanaryHealthError: when a launch tag stopped running on some device; the message names them.
+        """
+        seen = {coords: len(m.observed) for coords, m in self.monitors.items()}
+        stalled = []
+        for coords, view in self._views(state).items():
+            try:
+                self.monitors[coords].after_step(view)
+            except _health.KvCanaryHealthError as e:
+                stalled.append(f"device {self.sharded.mesh_layout.label(coords)}: {e}")
+        self._report_new(state, seen)
+        if stalled:
+            raise _health.KvCanaryHealthError("\n".join(stalled))
+
+    def final_check(self, state: CanaryState) -> _sharded_report.ShardedViolationReport:
+        """Blocking: processes every pending snapshot on every device; returns the merged _report.
+
+        Raises:
+          KvCanaryViolationError: in raise mode, if violations not yet raised are found.
+        """
+        seen = {coords: len(m.observed) for coords, m in self.monitors.items()}
+        for coords, view in self._views(state).items():
+            self.monitors[coords].final_check(view)
+        return self._report_new(state, seen) or self.sharded.read_violations(state)
+
+    def _report_new(self, state, seen) -> _sharded_report.ShardedViolationReport | None:
+        """Logs (or raises) the violations the device monitors observed since ``seen``; returns the merged _report."""
+        new = {c: self.monitors[c].observed[n:] for c, n in seen.items() if len(self.monitors[c].observed) > n}
+        if not new:
+            return None
+        merged = self.sharded.read_violations(state)  # a sync, only when some device has news
+        rows = {c: [dv for dv in merged.violations if dv.device == c] for c in new}
+        messages = []
+        for coords, observed in new.items():  # device-major, as self.monitors is ordered
+            for o in observed:
+                dv = rows[coords][o.row]
+                self.observed.append(DeviceObservedViolation(device=coords, peer=dv.peer, observed=o))
+                messages.append(_sharded_report.format_device_violation(dv, merged, step=self.step))
+        if self.config.mode is CanaryMode.RAISE:
+            raise _report.KvCanaryViolationError(merged, "\n".join(messages))
+        for message in messages:
+            self.log.warning(message)
+        return merged
+
+    def _views(self, state: CanaryState) -> dict[_layout.Coords, CanaryState]:
+        """Each device's share of what a monitor reads, as single-device arrays on that device (no host copy)."""
+        d = state.device
+        log = d.violation_log
+        names = ("ring", "index", "kernel", "slot", "overflows")
+        leaves = (log.violation_ring, log.violation_write_index, d.kernel_run_counters, d.slot_run_counters,
+                  state.verify_overflows)  # fmt: skip
+        shards = dict(zip(names, (self._shards(x) for x in leaves), strict=True))
+        views = {}
+        for coords in self.monitors:
+            device = dataclasses.replace(
+                d,
+                violation_log=ViolationLog(violation_ring=shards["ring"][coords],
+                                           violation_write_index=shards["index"][coords]),
+                kernel_run_counters=shards["kernel"][coords],
+                slot_run_counters=shards["slot"][coords],
+            )  # fmt: skip
+            views[coords] = dataclasses.replace(state, device=device, verify_overflows=shards["overflows"][coords])
+        return views
+
+    def _shards(self, x: jax.Array) -> dict[_layout.Coords, jax.Array]:
+        """A per-device array's shards without their leading unit axes, keyed by mesh coordinates."""
+        n = len(self.sharded.mesh_layout.shape)
+        return {tuple(i.start or 0 for i in s.index[:n]): s.data.reshape(x.shape[n:]) for s in x.addressable_shards}

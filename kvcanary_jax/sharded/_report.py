@@ -1,0 +1,110 @@
+"""Host merge of per-device violation rings into one report: device-major, each row tagged with its mesh coordinates."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from kvcanary_jax.core import _report
+from kvcanary_jax.core._constants import FailReason
+from kvcanary_jax.core._state import ViolationLog
+from kvcanary_jax.sharded import _check, _layout
+from pallas_kernels import layout
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceViolation:
+    """One decoded ring row and the device whose ring held it.
+
+    Attributes:
+      device: mesh coordinates of the reporting device, in ``axis_names`` order.
+      violation: the decoded row.
+      peer: mesh coordinates of the consensus shard for a ``SHARD_CHAIN_MISMATCH`` row, else None.
+    """
+
+    device: _layout.Coords
+    violation: _report.Violation
+    peer: _layout.Coords | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardedViolationReport:
+    """Every device's ring merged into one report; violations are device-major, then in ring order.
+
+    Attributes:
+      mesh_layout: the layout the rings came from.
+      per_device: each device's own :class:`~kvcanary_jax.ViolationReport`, keyed by mesh coordinates.
+      violations: all rows, device-major.
+      write_index: violations seen on all devices together.
+      is_errored: any device saw a violation.
+      overflowed: any device's ring overflowed.
+    """
+
+    mesh_layout: _layout.MeshLayout
+    per_device: dict[_layout.Coords, _report.ViolationReport]
+    violations: tuple[DeviceViolation, ...]
+    write_index: int
+    is_errored: bool
+    overflowed: bool
+
+    @property
+    def devices_with_violations(self) -> tuple[_layout.Coords, ...]:
+        """Mesh coordinates of the devices that reported, device-major."""
+        return tuple(coords for coords, r in self.per_device.items() if r.is_errored)
+
+    def format(self, *, step: int | None = None, start: int = 0) -> list[str]:
+        """One message per violation from ``start`` on: SGLang's message plus the device (and peer) lines."""
+        return [format_device_violation(v, self, step=step) for v in self.violations[start:]]
+
+
+def format_device_violation(dv: DeviceViolation, merged: ShardedViolationReport, *, step: int | None = None) -> str:
+    """SGLang's message for ``dv`` (its first line unchanged), then ``  device: ...`` and, if any, ``  peer: ...``.
+
+    ``total_violations`` and ``ring_overflow`` are those of ``dv``'s device, whose ring held the row.
+    """
+    mesh_layout = merged.mesh_layout
+    own = merged.per_device[dv.device]
+    lines = [
+        _report.format_violation(dv.violation, total=own.write_index, overflowed=own.overflowed, step=step),
+        f"  device: {mesh_layout.label(dv.device)} ({mesh_layout.mesh.devices[dv.device]})",
+    ]
+    if dv.peer is not None:
+        lines.append(f"  peer: {mesh_layout.label(dv.peer)} ({mesh_layout.mesh.devices[dv.peer]})")
+    return "\n".join(lines)
+
+
+def read_sharded_violations(violation_log: ViolationLog, mesh_layout: _layout.MeshLayout) -> ShardedViolationReport:
+    """Copies every device's ring to the host (a sync) and merges them into one _report.
+
+    Args:
+      violation_log: a per-device log: ring u32[*mesh, capacity, 8, 2], index i32[*mesh, 1].
+      mesh_layout: the layout the log was allocated for.
+    """
+    if not isinstance(violation_log, ViolationLog):
+        raise TypeError(f"violation_log must be a ViolationLog; got {type(violation_log).__name__}")
+    shape = mesh_layout.shape
+    rings, indices = np.asarray(violation_log.violation_ring), np.asarray(violation_log.violation_write_index)
+    if rings.shape[: len(shape)] != shape or indices.shape != shape + (1,):
+        raise ValueError(
+            f"violation_log must be per-device with leading axes {shape}; got ring shape {rings.shape} and index "
+            f"shape {indices.shape}. Allocate it with _layout.per_device(..., mesh_layout)."
+        )
+    tp = mesh_layout.axis_names.index(mesh_layout.tp_axis) if mesh_layout.tp_axis is not None else None
+    per_device, violations = {}, []
+    for coords, _ in mesh_layout.devices():
+        own = _report.read_violations(ViolationLog(violation_ring=rings[coords], violation_write_index=indices[coords]))
+        per_device[coords] = own
+        for row, v in zip(own.rows, own.violations, strict=True):
+            peer = None
+            if tp is not None and v.fail_reason & FailReason.SHARD_CHAIN_MISMATCH:
+                peer = coords[:tp] + (int(row[layout.ROW_FAIL_REASON_BITS]) >> _check.PEER_SHIFT,) + coords[tp + 1 :]
+            violations.append(DeviceViolation(device=coords, violation=v, peer=peer))
+    return ShardedViolationReport(
+        mesh_layout=mesh_layout,
+        per_device=per_device,
+        violations=tuple(violations),
+        write_index=sum(r.write_index for r in per_device.values()),
+        is_errored=any(r.is_errored for r in per_device.values()),
+        overflowed=any(r.overflowed for r in per_device.values()),
+    )

@@ -1,0 +1,208 @@
+"""The host monitor: lagged non-blocking reads, log and raise modes, final check, health watchdog, stats."""
+
+import dataclasses
+import logging
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kvcanary_jax import (
+    CanaryLaunchTag,
+    CanaryMonitor,
+    FailReason,
+    KvCanary,
+    KvCanaryHealthError,
+    KvCanaryViolationError,
+)
+from kvcanary_jax.core import _report as report
+from kvcanary_jax.demo import model
+from tests.runtime.runner_testlib import TINY_CANARY, TINY_CONFIG, demo_setup, run_steps, tiny_setup
+
+T = CanaryLaunchTag
+FIRST_LINE = re.compile(r"kv_canary violation: launch_tag=(\S+) fail_reason=(\S+) slot_idx=(\d+) position=(\d+) ")
+
+
+def _canary(**overrides) -> KvCanary:
+    quiet = {"health_check_every_n_steps": 0, "stats_every_n_steps": 0}
+    return KvCanary(dataclasses.replace(TINY_CONFIG, **{**quiet, **overrides}), TINY_CANARY.pool)
+
+
+def _append(state, *rows):
+    """The state with ``rows`` of (tag, slot, position, bits) appended to the ring, fill-once, as a launch would."""
+    log = state.violation_log
+    index, capacity = int(log.violation_write_index[0]), log.ring_capacity
+    ring = np.asarray(log.violation_ring).copy()
+    for i, (tag, slot, position, bits) in enumerate(rows):
+        if index + i < capacity:
+            ring[index + i] = np.array([tag, slot, position, 7, -1, 0, 0, bits], np.int64).view(np.uint32).reshape(8, 2)
+    log = dataclasses.replace(
+        log, violation_ring=jnp.asarray(ring), violation_write_index=jnp.full((1,), index + len(rows), jnp.int32)
+    )
+    return dataclasses.replace(state, device=dataclasses.replace(state.device, violation_log=log))
+
+
+def _bump(state, tags, by=1):
+    """The state with the kernel-run counters of ``tags`` increased (a stand-in for launches)."""
+    counters = np.asarray(state.device.kernel_run_counters).copy()
+    for tag in tags:
+        counters[tag, 0] += by
+    return dataclasses.replace(
+        state, device=dataclasses.replace(state.device, kernel_run_counters=jnp.asarray(counters))
+    )
+
+
+@pytest.fixture
+def pulls(monkeypatch):
+    """Counts ring pulls (``read_violations`` calls made by the monitor)."""
+    calls = []
+    real = report.read_violations
+    monkeypatch.setattr(report, "read_violations", lambda log: calls.append(1) or real(log))
+    return calls
+
+
+def test_reads_lag_behind_and_the_ring_is_pulled_only_when_the_index_grew(pulls, caplog):
+    canary = _canary(mode="log", check_lag_steps=3)
+    monitor, state = CanaryMonitor(canary), canary.init_state()
+    with caplog.at_level(logging.WARNING):
+        monitor.after_step(state)  # step 1: clean
+        state = _append(
+            state,
+            (T.TAIL_K_FULL, 5, 3, FailReason.VERIFY_REAL_KV_HASH_MISMATCH),
+            (T.TAIL_V_FULL, 5, 3, FailReason.VERIFY_REAL_KV_HASH_MISMATCH),
+        )
+        for _ in range(3):  # steps 2..4: step 2 wrote two rows, but its snapshot is read at step 5
+            monitor.after_step(state)
+        assert monitor.observed == [] and pulls == []
+        monitor.after_step(state)  # step 5
+        assert [(o.step, o.observed_step, o.row) for o in monitor.observed] == [(2, 5, 0), (2, 5, 1)]
+        assert len(pulls) == 1
+        for _ in range(4):  # steps 6..9: no growth, no pull
+            monitor.after_step(state)
+        assert len(pulls) == 1
+        state = _append(state, (T.SWEEP_K_FULL, 9, 1, FailReason.VERIFY_CHAIN_HASH_MISMATCH))
+        for _ in range(4):  # step 10 wrote one row; read at step 13
+            monitor.after_step(state)
+    assert len(pulls) == 2 and [(o.step, o.observed_step) for o in monitor.observed][-1] == (10, 13)
+    messages = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(messages) == 3, "log mode: one WARNING per violation"
+    assert FIRST_LINE.match(messages[0]).groups() == ("TAIL_K_FULL", "verify_real_kv_hash", "5", "3")
+    assert FIRST_LINE.match(messages[2]).groups() == ("SWEEP_K_FULL", "verify_chain_hash", "9", "1")
+    assert "step_when_pumped=13" in messages[2] and "total_violations=3" in messages[2]
+
+
+def test_lag_zero_reads_every_step():
+    canary = _canary(mode="log", check_lag_steps=0)
+    monitor = CanaryMonitor(canary)
+    monitor.after_step(_append(canary.init_state(), (T.HEAD_K_FULL, 1, 0, FailReason.WRITE_TOKEN_MISMATCH)))
+    assert [(o.step, o.observed_step) for o in monitor.observed] == [(1, 1)]
+
+
+def test_raise_mode_raises_once_per_new_batch_of_violations():
+    canary = _canary(mode="raise", check_lag_steps=1)
+    monitor, state = CanaryMonitor(canary), canary.init_state()
+    state = _append(state, (T.HEAD_K_FULL, 4, 2, FailReason.VERIFY_POSITION_MISMATCH))
+    monitor.after_step(state)  # step 1 wrote it; read at step 2
+    with pytest.raises(KvCanaryViolationError) as caught:
+        monitor.after_step(state)
+    err = caught.value
+    assert err.report.write_index == 1 and err.report.first_violation.slot_idx == 4
+    assert FIRST_LINE.match(str(err)).groups() == ("HEAD_K_FULL", "verify_position", "4", "2")
+    monitor.after_step(state)  # nothing new: no second raise
+    assert monitor.final_check(state).write_index == 1
+
+
+def test_final_check_is_blocking_and_reads_what_the_lag_still_hides(caplog):
+    canary = _canary(mode="log", check_lag_steps=4)
+    monitor, state = CanaryMonitor(canary), canary.init_state()
+    monitor.after_step(state)
+    state = _append(state, (T.TAIL_K_FULL, 3, 1, FailReason.VERIFY_REAL_KV_HASH_MISMATCH))
+    monitor.after_step(state)
+    assert monitor.observed == []
+    with caplog.at_level(logging.WARNING):
+        final = monitor.final_check(state)
+    assert final.write_index == 1 and [(o.step, o.observed_step) for o in monitor.observed] == [(2, 2)]
+    assert len(caplog.records) == 1
+    raising = CanaryMonitor(_canary(mode="raise", check_lag_steps=4))
+    with pytest.raises(KvCanaryViolationError):
+        raising.final_check(state)
+
+
+def test_ring_overflow_is_reported_without_detail(caplog):
+    canary = _canary(mode="log", check_lag_steps=0, ring_capacity=2)
+    monitor, state = CanaryMonitor(canary), canary.init_state()
+    rows = [(T.TAIL_K_FULL, s, 0, FailReason.VERIFY_REAL_KV_HASH_MISMATCH) for s in (1, 2, 3, 4)]
+    with caplog.at_level(logging.WARNING):
+        monitor.after_step(_append(state, *rows))
+    messages = [r.getMessage() for r in caplog.records]
+    assert len(monitor.observed) == 2 and len(messages) == 3
+    assert "ring_overflow=True" in messages[0] and "2 more violation(s) at step=1 were dropped" in messages[2]
+
+
+def test_plan_overflow_is_warned(caplog):
+    canary = _canary(mode="log", check_lag_steps=0)
+    monitor, state = CanaryMonitor(canary), canary.init_state()
+    with caplog.at_level(logging.WARNING):
+        monitor.after_step(dataclasses.replace(state, verify_overflows=jnp.ones((1,), jnp.int32)))
+    assert "verify skipped 1 time(s) due to overflow" in caplog.records[0].getMessage()
+
+
+@pytest.mark.parametrize("mode", ["log", "raise"])
+def test_watchdog_fires_in_every_mode_when_a_tag_stops(mode):
+    canary = _canary(mode=mode, check_lag_steps=1, health_check_every_n_steps=2)
+    expected = canary.launch_tags()
+    assert T.SWEEP_V_FULL in expected and T.HEAD_K_SWA not in expected
+    monitor, state = CanaryMonitor(canary), canary.init_state()
+    for _ in range(4):  # checks at steps 2 and 4 (read one step later) pass: everything ran
+        state = _bump(state, expected)
+        monitor.after_step(state)
+    stalled = [t for t in expected if t is not T.TAIL_V_FULL]
+    state = _bump(state, stalled)
+    monitor.after_step(state)  # step 5 reads step 4: fine
+    state = _bump(state, stalled)
+    monitor.after_step(state)  # step 6
+    with pytest.raises(KvCanaryHealthError, match=r"tags=\['TAIL_V_FULL'\] at step=6; canary path is not executing"):
+        monitor.after_step(state)  # step 7 reads step 6: TAIL_V_FULL did not run in steps 5-6
+
+
+def test_off_mode_is_inert():
+    canary = KvCanary(dataclasses.replace(TINY_CONFIG, mode="off", sweep_interval=0), TINY_CANARY.pool)
+    monitor, state = CanaryMonitor(canary), canary.init_state()
+    assert canary.launch_tags() == () and state.full is None and not monitor.sweep_due
+    for _ in range(12):
+        monitor.after_step(state)
+    assert monitor.step == 12 and monitor.final_check(state).write_index == 0
+
+
+def test_sweep_schedule_is_first_step_then_every_interval():
+    monitor = CanaryMonitor(_canary(sweep_interval=3))
+    due = []
+    for _ in range(10):
+        due.append(monitor.sweep_due)
+        monitor.step += 1
+    assert due == [True, False, False, True, False, False, True, False, False, True]
+
+
+def test_watchdog_catches_a_dropped_sweep_in_the_demo():
+    """The host forgets to launch sweeps: the first health check (step 20) names both SWEEP tags."""
+    setup = demo_setup(seed=4)
+    setup.sweep_fn = lambda state, plan, kv_cache: state
+    with pytest.raises(KvCanaryHealthError, match=r"tags=\['SWEEP_K_FULL', 'SWEEP_K_SWA'\] at step=20"):
+        run_steps(setup, 25)
+
+
+def test_watchdog_catches_a_step_that_drops_the_tail_launches():
+    """A step that forgets ``after_forward`` (run eagerly: no extra compile) fails its first health check."""
+    setup = tiny_setup(seed=2, eager=True)
+
+    def head_only_step(params, kv_cache, canary_state, batch):
+        with jax.disable_jit():
+            canary_state = setup.canary.before_forward(canary_state, batch.canary())
+            logits, kv_cache = model.forward(params, kv_cache, batch)
+            return jnp.argmax(logits, -1), logits, kv_cache, canary_state
+
+    setup.step_fn = head_only_step
+    with pytest.raises(KvCanaryHealthError, match=r"tags=\['TAIL_K_FULL', 'TAIL_V_FULL'\] at step=5"):
+        run_steps(setup, 6)
