@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 def array(name: str, x, *, dtype=None, ndim: int | None = None, shape: tuple | None = None) -> None:
@@ -21,21 +21,26 @@ def array(name: str, x, *, dtype=None, ndim: int | None = None, shape: tuple | N
             raise ValueError(f"{name} must have shape {want}; got {name}.shape={tuple(x.shape)}")
 
 
+def is_int(value) -> bool:
+    """Whether ``value`` is a static integer: a Python int or a numpy integer scalar, not a bool or a tracer."""
+    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+
+
 def positive_int(name: str, value) -> int:
-    """A static, positive Python int (not a tracer, not a bool)."""
-    if isinstance(value, jax.core.Tracer) or not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+    """A static, positive integer (Python or numpy) as a Python int."""
+    if not is_int(value) or value <= 0:
         raise ValueError(f"{name} must be a positive static int; got {name}={value!r}")
-    return value
+    return int(value)
 
 
 def static_int(name: str, value, *, minimum: int = 0, maximum: int | None = None) -> int:
-    """A static Python int in ``[minimum, maximum)``."""
-    if isinstance(value, jax.core.Tracer) or not isinstance(value, int) or isinstance(value, bool):
+    """A static integer (Python or numpy) in ``[minimum, maximum)``, as a Python int."""
+    if not is_int(value):
         raise TypeError(f"{name} must be a static Python int; got {name}={value!r}")
     if value < minimum or (maximum is not None and value >= maximum):
         bound = f"[{minimum}, {maximum})" if maximum is not None else f">= {minimum}"
         raise ValueError(f"{name} must be in {bound}; got {name}={value}")
-    return value
+    return int(value)
 
 
 def same_length(names_and_arrays: dict) -> int:

@@ -12,9 +12,10 @@ from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
-from pallas_kernels import hash64, layout
+from pallas_kernels import checks, hash64, layout
 
 _WORDS_PER_CHUNK = layout.REAL_KV_CHUNK_BYTES // 4
 
@@ -37,8 +38,15 @@ class RealKvSource:
     read_bytes: int | None = None
 
     def __post_init__(self):
+        if isinstance(self.data, np.ndarray):
+            object.__setattr__(self, "data", jnp.asarray(self.data))
         row_bytes = _row_bytes(self.data)
-        if not isinstance(self.page_size, int) or self.page_size < 1:
+        for name in _META_FIELDS:
+            value = getattr(self, name)
+            if value is not None and not checks.is_int(value):
+                raise TypeError(f"RealKvSource.{name} must be an int; got {name}={value!r}")
+            object.__setattr__(self, name, None if value is None else int(value))
+        if self.page_size < 1:
             raise ValueError(f"RealKvSource.page_size must be an int >= 1; got page_size={self.page_size!r}")
         if self.num_bytes_per_token is None:
             object.__setattr__(self, "num_bytes_per_token", row_bytes // self.page_size)
@@ -88,14 +96,28 @@ jax.tree_util.register_pytree_with_keys(
 )
 
 
+def check_kv_dtype(dtype, arg: str) -> None:
+    """Raises ``TypeError`` naming ``arg`` unless ``dtype`` is a 1/2/4/8-byte integer or float type (whole bytes)."""
+    dtype = jnp.dtype(dtype)
+    if jnp.issubdtype(dtype, jnp.integer):
+        bits = jnp.iinfo(dtype).bits
+    elif jnp.issubdtype(dtype, jnp.floating):
+        bits = jnp.finfo(dtype).bits
+    else:
+        bits = None
+    if bits is None or bits != 8 * dtype.itemsize or dtype.itemsize not in (1, 2, 4, 8):
+        raise TypeError(
+            f"{arg} must have a 1/2/4/8-byte integer or float dtype (its bytes are folded as words); got dtype {dtype}"
+        )
+
+
 def _row_bytes(data) -> int:
     if not hasattr(data, "shape") or not hasattr(data, "dtype"):
         raise TypeError(f"RealKvSource.data must be an array; got {type(data).__name__}")
     if len(data.shape) < 1:
         raise ValueError(f"RealKvSource.data needs a leading page axis; got shape {tuple(data.shape)}")
     dtype = jnp.dtype(data.dtype)
-    if dtype == jnp.bool_ or dtype.itemsize not in (1, 2, 4, 8):
-        raise TypeError(f"RealKvSource.data must have a 1/2/4/8-byte numeric dtype; got {dtype}")
+    check_kv_dtype(dtype, "RealKvSource.data")
     row_bytes = math.prod(data.shape[1:]) * dtype.itemsize
     if row_bytes % 16:
         raise ValueError(f"RealKvSource: a page row must be a multiple of 16 bytes; got {row_bytes} bytes")

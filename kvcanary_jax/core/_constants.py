@@ -12,6 +12,7 @@ NUM_LAUNCH_TAGS = 12
 VIOLATION_FIELDS = layout.VIOLATION_FIELDS
 CANARY_FIELDS_PER_SLOT = layout.CANARY_FIELDS_PER_SLOT
 CANARY_SLOT_BYTES = 32
+CONTEXT_FIELDS = 3  # a ring row's context: request row, expected position, batch entry (ours)
 MAX_REAL_KV_SOURCES = layout.MAX_REAL_KV_SOURCES
 TOKEN_TO_KV_SLOT_PADDING = layout.PADDING_SLOT
 REQ_POOL_IDX_PADDING = 0
@@ -77,8 +78,38 @@ class FailReason(enum.IntFlag):
     WRITE_TOKEN_MISMATCH = layout.FAIL_WRITE_TOKEN
     WRITE_POSITION_MISMATCH = layout.FAIL_WRITE_POSITION
     VERIFY_TOKEN_MISMATCH = layout.FAIL_VERIFY_TOKEN
-    # Ours, beyond SGLang's six: TP shards disagree on a written record's chain fields (kvcanary_jax.sharded).
+    # Ours, beyond SGLang's six bits:
+    # TP shards disagree on a written record's chain fields (kvcanary_jax.sharded);
     SHARD_CHAIN_MISMATCH = 1 << 6
+    # a batch input the canary cannot check as given: out of range, negative, or a reserved row or slot in use.
+    INVALID_INPUT = 1 << 7
+
+
+class InputField(enum.IntEnum):
+    """The batch field an ``INVALID_INPUT`` row names (bits 32..39 of its ``fail_reason_bits``)."""
+
+    REQ_POOL_INDICES = 1
+    PREFIX_LENS = 2
+    EXTEND_LENS = 3
+    REQ_TO_TOKEN = 4
+    OUT_CACHE_LOC = 5
+    FULL_TO_SWA_INDEX_MAPPING = 6
+    TOKEN_IDS_LENS = 7
+
+
+class InputProblem(enum.IntEnum):
+    """What is wrong with the value an ``INVALID_INPUT`` row names (bits 40..47 of its ``fail_reason_bits``)."""
+
+    OUT_OF_RANGE = 1  # outside [lower bound, limit); the row's expected_token holds the limit
+    NEGATIVE = 2  # a length or count below 0
+    RESERVED_ROW = 3  # a request with tokens in the reserved request row (padding="reserved")
+    RESERVED_SLOT = 4  # a request position mapped to the reserved padding slot 0
+    PAST_TOKENS = 5  # the row's tokens run past the batch's token arrays (sum(extend_lens) > T)
+    PAST_CONTEXT = 6  # prefix_lens + extend_lens exceeds req_to_token's width
+
+
+INPUT_FIELD_SHIFT = 32  # fail_reason_bits = INVALID_INPUT | field << 32 | problem << 40
+INPUT_PROBLEM_SHIFT = 40
 
 
 class RealKvHashMode(enum.IntEnum):

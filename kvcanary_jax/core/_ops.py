@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from kvcanary_jax.core import _constants as constants
 from kvcanary_jax.core import _ring
 from kvcanary_jax.core._config import parse_real_kv_hash_mode
 from kvcanary_jax.core._constants import RealKvHashMode
@@ -27,7 +28,8 @@ from pallas_kernels import checks, hash64, layout, realkv, records
 from pallas_kernels.verify import api as verify_api
 from pallas_kernels.write import api as write_api
 
-RowBuilder = Callable[[jax.Array], jax.Array]  # i32[capacity] entry ids -> u32[capacity, 8, 2] ring rows
+# i32[capacity] entry ids -> (u32[capacity, 8, 2] ring rows, i32[capacity, 3] their context)
+RowBuilder = Callable[[jax.Array], tuple[jax.Array, jax.Array]]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,7 +39,7 @@ class Launch:
     Attributes:
       tag: the static launch tag.
       flags: bool violation flags in append order.
-      build_rows: i32[capacity] entry ids -> u32[capacity, 8, 2] ring rows.
+      build_rows: i32[capacity] entry ids -> (u32[capacity, 8, 2] ring rows, i32[capacity, 3] their context).
       entries: i32[] the launch's ``slot_run_counters`` increment.
     """
 
@@ -58,12 +60,13 @@ def pending_rows(launches: Sequence[tuple[jax.Array, RowBuilder]], capacity: int
       capacity: the ring's row count.
     """
     counts, entries = _ring.first_entries([flags for flags, _ in launches], capacity)
-    rows = tuple(
-        build_rows(entries[i]) if flags.size else jnp.zeros((capacity, layout.VIOLATION_FIELDS, 2), jnp.uint32)
-        for i, (flags, build_rows) in enumerate(launches)
+    empty = (
+        jnp.zeros((capacity, layout.VIOLATION_FIELDS, 2), jnp.uint32),
+        jnp.full((capacity, constants.CONTEXT_FIELDS), -1, jnp.int32),
     )
-    rows = lax.optimization_barrier(rows)
-    return [_ring.PendingRows(counts[i], r) for i, r in enumerate(rows)]
+    built = tuple(build_rows(entries[i]) if flags.size else empty for i, (flags, build_rows) in enumerate(launches))
+    built = lax.optimization_barrier(built)
+    return [_ring.PendingRows(counts[i], rows, context) for i, (rows, context) in enumerate(built)]
 
 
 def append(log: ViolationLog, flags: jax.Array, build_rows: RowBuilder) -> ViolationLog:
@@ -114,8 +117,12 @@ def verify_launch(
     real_kv_hash_mode: RealKvHashMode,
     check_expected_token: bool,
     backend: str,
+    entry_requests: jax.Array | None = None,
 ) -> Launch:
-    """:func:`canary_verify`'s launch, from already checked arguments: its fail bits, row builder and count."""
+    """:func:`canary_verify`'s launch, from already checked arguments: its fail bits, row builder and count.
+
+    ``entry_requests`` (i32[2, capacity]: each entry's request row and batch row) feeds the rows' context.
+    """
     capacity = np.shape(plan.slot_indices)[0]  # the array itself is checked by pallas_kernels
     active = jnp.where(plan.enable[0] != 0, jnp.clip(plan.num_valid[0], 0, capacity), 0)
     bits = verify_api.verify(
@@ -136,7 +143,11 @@ def verify_launch(
         token, position, prev_hash, _ = records.load(canary_buf, slot)
         expected_chain = hash64.where(prev != 0, records.slot_hash(canary_buf, prev), prev_hash)
         expected_token = plan.expected_tokens[entry] if check_expected_token else jnp.full_like(entry, -1)
-        return _ring.pack_row(
+        if entry_requests is None:
+            request = batch_row = jnp.full_like(entry, -1)
+        else:
+            request, batch_row = entry_requests[0, entry], entry_requests[1, entry]
+        rows = _ring.pack_row(
             [
                 hash64.const(tag, entry),
                 hash64.from_i32(slot),
@@ -148,6 +159,7 @@ def verify_launch(
                 hash64.from_i32(bits[entry]),
             ]
         )
+        return rows, _ring.context(request, plan.expected_positions[entry], batch_row)
 
     return Launch(tag, bits != 0, build_rows, active)
 
@@ -166,12 +178,13 @@ def write_launch(
     expected_inputs: tuple[jax.Array, jax.Array] | None,
     backend: str,
     store_after: jax.Array,
+    req_pool_indices: jax.Array | None = None,
 ) -> tuple[jax.Array, Launch]:
     """:func:`canary_write`'s new buffer and launch, from already checked arguments.
 
     ``expected_inputs`` is ``(tokens, positions)`` of the input assert, or None. ``store_after`` is a traced int32
     zero (:func:`kvcanary_jax.core._ring.after`) that orders the in-place store after rows already gathered from
-    this buffer.
+    this buffer. ``req_pool_indices`` (i32[bs]), when given, names each row's request in the rows' context.
     """
     new_buf, chain = write_api.write(
         canary_buf,
@@ -204,7 +217,11 @@ def write_launch(
             input_aux = hash64.from_i32(expected_positions[i])
         aux = hash64.where(is_chain_row, hash64.split(chain.expected_position[i]), input_aux)
         bits = jnp.where(is_chain_row, layout.FAIL_WRITE_POSITION, input_bits[i])
-        return _ring.pack_row(
+        request = jnp.full_like(entry, -1)
+        if req_pool_indices is not None:
+            batch_row = jnp.searchsorted(plan.write_offsets[1:], i, side="right", method="compare_all")
+            request = req_pool_indices[jnp.minimum(batch_row, req_pool_indices.shape[0] - 1)]
+        rows = _ring.pack_row(
             [
                 hash64.const(tag, entry),
                 hash64.from_i32(out_cache_loc[i]),
@@ -216,6 +233,7 @@ def write_launch(
                 hash64.from_i32(bits),
             ]
         )
+        return rows, _ring.context(request, lax.bitcast_convert_type(aux[0], jnp.int32), i)
 
     return new_buf, Launch(tag, flags, build_rows, jnp.sum(chain.written, dtype=jnp.int32))
 
@@ -224,11 +242,20 @@ def _check_common(state, tag, real_kv_sources, real_kv_hash_mode):
     """What the public ops check themselves; arrays, sources and the backend are ``pallas_kernels``' to check."""
     if not isinstance(state, CanaryDeviceState):
         raise TypeError(f"state must be a CanaryDeviceState; got {type(state).__name__}")
-    # int(): a CanaryLaunchTag becomes a plain int; a bool is left as is, so static_int rejects it.
-    tag = checks.static_int(
-        "tag", int(tag) if type(tag) is not bool and isinstance(tag, int) else tag, maximum=state.num_tags
-    )
-    return tag, real_kv_sources, parse_real_kv_hash_mode(real_kv_hash_mode)
+    tag = checks.static_int("tag", tag, maximum=state.num_tags)
+    mode = parse_real_kv_hash_mode(real_kv_hash_mode)
+    if mode is not RealKvHashMode.NONE and isinstance(real_kv_sources, (tuple, list)) and not real_kv_sources:
+        raise ValueError(
+            f"real_kv_hash_mode={mode.name} folds the slots' KV bytes, but real_kv_sources is empty: every record "
+            "would be compared with a fold of nothing. Pass the KV arrays as RealKvSource(s), or use "
+            "real_kv_hash_mode='none' (e.g. for HEAD launches, before the forward wrote the KV)"
+        )
+    return tag, real_kv_sources, mode
+
+
+def _host_arrays_to_jax(tree):
+    """numpy arrays (a host batch, a saved buffer) become jax arrays; anything else is left for the checks."""
+    return jax.tree.map(lambda x: jnp.asarray(x) if isinstance(x, np.ndarray) else x, tree)
 
 
 def canary_verify(
@@ -263,6 +290,7 @@ def canary_verify(
       cannot run here.
     """
     tag, sources, mode = _check_common(state, tag, real_kv_sources, real_kv_hash_mode)
+    canary_buf, plan = _host_arrays_to_jax((canary_buf, plan))
     if not isinstance(plan, VerifyPlan):
         raise TypeError(f"plan must be a VerifyPlan; got {type(plan).__name__}")
     for name in ("num_valid", "enable"):
@@ -322,6 +350,11 @@ def canary_write(
       ValueError, TypeError: for bad shapes, dtypes or static arguments.
     """
     tag, sources, mode = _check_common(state, tag, real_kv_sources, real_kv_hash_mode)
+    canary_buf, plan, input_ids, positions, out_cache_loc, expected_input_tokens, expected_input_positions = (
+        _host_arrays_to_jax(
+            (canary_buf, plan, input_ids, positions, out_cache_loc, expected_input_tokens, expected_input_positions)
+        )
+    )
     if not isinstance(plan, WritePlan):
         raise TypeError(f"plan must be a WritePlan; got {type(plan).__name__}")
     expected_inputs = _expected_inputs(input_ids, expected_input_tokens, expected_input_positions)

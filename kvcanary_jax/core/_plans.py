@@ -118,7 +118,7 @@ def build_plans(
     expected_tokens_valid_lens: jax.Array | None = None,
     kv_token_id_vs_position_offset: int = 0,
 ) -> tuple[VerifyPlan, WritePlan]:
-    """Builds this step's verify and write plans on device.
+    """Builds this step's verify and write plans on device, exactly as SGLang's plan kernels do.
 
     Args:
       req_pool_indices: i32[bs] row of each request in ``req_to_token``; 0 marks a padding row. Padding rows must
@@ -140,6 +140,62 @@ def build_plans(
     Raises:
       ValueError, TypeError: for wrong shapes, dtypes or static arguments.
     """
+    verify_plan, write_plan, _ = build(
+        req_pool_indices,
+        prefix_lens,
+        extend_lens,
+        req_to_token,
+        verify_capacity=verify_capacity,
+        write_req_capacity=write_req_capacity,
+        swa_window_size=swa_window_size,
+        full_to_swa_index_mapping=full_to_swa_index_mapping,
+        req_to_verify_expected_tokens=req_to_verify_expected_tokens,
+        expected_tokens_valid_lens=expected_tokens_valid_lens,
+        kv_token_id_vs_position_offset=kv_token_id_vs_position_offset,
+    )
+    return verify_plan, write_plan
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PlanRows:
+    """Which batch row each plan entry belongs to, for reports that point at the request.
+
+    Attributes:
+      verify_rows: i32[verify_capacity] batch row of each verify entry; -1 past ``num_valid``.
+      raw_slots: i32[verify_capacity] each entry's ``req_to_token`` value before the SWA translation; 0 past
+        ``num_valid``.
+      raw_prev: i32[verify_capacity] the same for each entry's predecessor; -1 for a chain head.
+    """
+
+    verify_rows: jax.Array
+    raw_slots: jax.Array
+    raw_prev: jax.Array
+
+
+def build(
+    req_pool_indices: jax.Array,
+    prefix_lens: jax.Array,
+    extend_lens: jax.Array,
+    req_to_token: jax.Array,
+    *,
+    active: jax.Array | None = None,
+    span_lens: jax.Array | None = None,
+    verify_capacity: int,
+    write_req_capacity: int,
+    swa_window_size: int = 0,
+    full_to_swa_index_mapping: jax.Array | None = None,
+    req_to_verify_expected_tokens: jax.Array | None = None,
+    expected_tokens_valid_lens: jax.Array | None = None,
+    kv_token_id_vs_position_offset: int = 0,
+) -> tuple[VerifyPlan, WritePlan, PlanRows]:
+    """:func:`build_plans` with the rows' roles given; also returns each verify entry's batch row.
+
+    ``active`` (bool[bs]) rows are verified and seed their chain; row r owns ``span_lens[r]`` (i32[bs], >= 0)
+    consecutive token entries, written only if it is active (the caller masks an inactive row's tokens in
+    ``out_cache_loc``). By default, SGLang's: a row is active unless ``req_pool_indices == 0``, and an inactive
+    row owns no tokens.
+    """
     lut, pool, valid_lens = full_to_swa_index_mapping, req_to_verify_expected_tokens, expected_tokens_valid_lens
     bs = _validate(
         req_pool_indices,
@@ -154,11 +210,13 @@ def build_plans(
         valid_lens,
         kv_token_id_vs_position_offset,
     )
+    if active is None:
+        active = req_pool_indices != 0
+    if span_lens is None:
+        span_lens = jnp.where(active, jnp.maximum(extend_lens, 0), 0)
     max_context = req_to_token.shape[1]
-    active = req_pool_indices != 0
     window_start = jnp.maximum(prefix_lens - swa_window_size, 0) if swa_window_size > 0 else jnp.zeros_like(prefix_lens)
     verify_lens = jnp.where(active, jnp.maximum(prefix_lens - window_start, 0), 0)
-    write_lens = jnp.where(active, jnp.maximum(extend_lens, 0), 0)
 
     verify_ends = jnp.cumsum(verify_lens)
     verify_starts = verify_ends - verify_lens
@@ -170,8 +228,10 @@ def build_plans(
     req = jnp.clip(jnp.searchsorted(verify_starts, t, side="right", method="scan_unrolled") - 1, 0, bs - 1)
     pos = window_start[req] + t - verify_starts[req]
     row = req_pool_indices[req]
-    slot = translate(req_to_token[row, jnp.clip(pos, 0, max_context - 1)], lut)
-    prev = jnp.where(pos > 0, translate(req_to_token[row, jnp.clip(pos - 1, 0, max_context - 1)], lut), -1)
+    raw_slot = req_to_token[row, jnp.clip(pos, 0, max_context - 1)]
+    raw_prev = jnp.where(pos > 0, req_to_token[row, jnp.clip(pos - 1, 0, max_context - 1)], -1)
+    slot = translate(raw_slot, lut)
+    prev = jnp.where(pos > 0, translate(raw_prev, lut), -1)
     expected_token = jnp.full_like(t, -1)
     if pool is not None:
         token_pos = pos + kv_token_id_vs_position_offset
@@ -187,12 +247,17 @@ def build_plans(
         enable=jnp.where(overflow, 0, 1).reshape(1).astype(jnp.int32),
     )
 
-    write_offsets = jnp.zeros((write_req_capacity + 1,), jnp.int32).at[1 : bs + 1].set(jnp.cumsum(write_lens))
+    write_offsets = jnp.zeros((write_req_capacity + 1,), jnp.int32).at[1 : bs + 1].set(jnp.cumsum(span_lens))
     seed_full = req_to_token[req_pool_indices, jnp.clip(prefix_lens - 1, 0, max_context - 1)]
-    seed = jnp.where(active & (prefix_lens > 0) & (write_lens > 0), translate(seed_full, lut), -1)
+    seed = jnp.where(active & (prefix_lens > 0) & (span_lens > 0), translate(seed_full, lut), -1)
     write_plan = WritePlan(
         write_offsets=write_offsets,
         seed_slot_indices=jnp.full((write_req_capacity,), -1, jnp.int32).at[:bs].set(seed),
         num_valid_reqs=jnp.full((1,), bs, jnp.int32),
     )
-    return verify_plan, write_plan
+    plan_rows = PlanRows(
+        verify_rows=jnp.where(used, req, -1),
+        raw_slots=jnp.where(used, raw_slot, 0),
+        raw_prev=jnp.where(used, raw_prev, 0),
+    )
+    return verify_plan, write_plan, plan_rows

@@ -7,6 +7,7 @@ import dataclasses
 import numpy as np
 
 from kvcanary_jax.core import _constants as constants
+from kvcanary_jax.core import _explain
 from kvcanary_jax.core._constants import CanaryLaunchTag, FailReason
 from kvcanary_jax.core._state import ViolationLog, u64_pairs_as_int64
 
@@ -18,7 +19,12 @@ _SWEEP_TAGS = {t for t in CanaryLaunchTag if t.name.startswith("SWEEP_")}
 
 @dataclasses.dataclass(frozen=True)
 class Violation:
-    """One decoded ring row; every field is a Python int (hashes as SGLang's signed int64)."""
+    """One decoded ring row; every field is a Python int (hashes as SGLang's signed int64).
+
+    The first eight fields are SGLang's row. The rest are ours: ``reason_detail`` is the high word of
+    ``fail_reason_bits`` (an ``INVALID_INPUT`` row's field and problem, a ``SHARD_CHAIN_MISMATCH`` row's peer), and
+    ``request_row``, ``expected_position``, ``batch_entry`` come from the ring's context (None where unknown).
+    """
 
     launch_tag: int
     slot_idx: int
@@ -28,16 +34,29 @@ class Violation:
     stored_chain_hash: int
     expected_aux: int
     fail_reason: FailReason
+    reason_detail: int = 0
+    request_row: int | None = None
+    expected_position: int | None = None
+    batch_entry: int | None = None
 
     @classmethod
-    def from_row(cls, row) -> Violation:
-        """Decodes one ``int64[8]`` row; a known tag becomes a :class:`CanaryLaunchTag`."""
+    def from_row(cls, row, context=None) -> Violation:
+        """Decodes one ``int64[8]`` row and its ``i32[3]`` context; a known tag becomes a :class:`CanaryLaunchTag`."""
         values = [int(v) for v in row]
         tag = values[constants.VIOLATION_FIELD_KERNEL_KIND]
         if tag in CanaryLaunchTag._value2member_map_:
             tag = CanaryLaunchTag(tag)
+        known = [None if c is None or int(c) < 0 else int(c) for c in (context if context is not None else (None,) * 3)]
+        bits = values[7]
         # IntFlag keeps unknown bits (boundary KEEP), so a corrupted row is shown, never dropped.
-        return cls(*([tag] + values[1:7]), fail_reason=FailReason(values[7] & 0xFFFFFFFF))
+        return cls(
+            *([tag] + values[1:7]),
+            fail_reason=FailReason(bits & 0xFFFFFFFF),
+            reason_detail=(bits >> 32) & 0xFFFFFFFF,
+            request_row=known[0],
+            expected_position=known[1],
+            batch_entry=known[2],
+        )
 
     @property
     def tag_label(self) -> str:
@@ -91,7 +110,11 @@ def read_violations(violation_log: ViolationLog) -> ViolationReport:
     capacity = violation_log.ring_capacity
     valid = max(0, min(write_index, capacity))
     rows = u64_pairs_as_int64(violation_log.violation_ring)[:valid]
-    violations = tuple(Violation.from_row(r) for r in rows)
+    if violation_log.violation_context is not None:
+        contexts = np.asarray(violation_log.violation_context)[:valid]
+    else:
+        contexts = [None] * valid
+    violations = tuple(Violation.from_row(r, c) for r, c in zip(rows, contexts, strict=True))
     return ViolationReport(
         write_index=write_index,
         ring_capacity=capacity,
@@ -108,8 +131,15 @@ def _hex(x: int) -> str:
     return f"{x & _U64_MASK:#018x}"
 
 
-def format_violation(violation: Violation, *, total: int, overflowed: bool, step: int | None = None) -> str:
-    """SGLang's multi-line report. The first line is frozen so existing log regexes keep working."""
+def format_violation(
+    violation: Violation, *, total: int, overflowed: bool, step: int | None = None, written_step: int | None = None
+) -> str:
+    """SGLang's multi-line report, then ours: the request, the token, the step written at, the likely cause.
+
+    SGLang's lines come first and unchanged (its first line is frozen, so existing log regexes keep working, its
+    ``expected_token=-1`` included); ``step`` is the step at which the host read the row (SGLang's
+    ``step_when_pumped``), ``written_step`` the step whose launches wrote it.
+    """
     v = violation
     label = v.tag_label
     kind = (
@@ -139,4 +169,5 @@ def format_violation(violation: Violation, *, total: int, overflowed: bool, step
         token = f"token_id={v.expected_token} " if v.fail_reason & _TOKEN_BITS else ""
         lines.append(f"  expected: {token}prev_hash={_hex(v.expected_aux)}")
     lines.append(f"  total_violations={total} ring_overflow={overflowed} step_when_pumped={step}")
+    lines += _explain.explain(v, written_step=written_step)
     return "\n".join(lines)

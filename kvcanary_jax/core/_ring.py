@@ -34,10 +34,12 @@ class PendingRows:
     Attributes:
       count: i32[] flags the launch set (the write index grows by this much).
       rows: u32[capacity, 8, 2]; row k belongs to the launch's k-th set flag, for k < min(count, capacity).
+      context: i32[capacity, 3] each row's context (request row, expected position, batch entry; -1 = none).
     """
 
     count: jax.Array
     rows: jax.Array
+    context: jax.Array
 
 
 def pack_row(fields) -> jax.Array:
@@ -102,10 +104,20 @@ def place(log: ViolationLog, pending: Sequence[PendingRows]) -> ViolationLog:
     """
     capacity = log.ring_capacity
     row = jnp.arange(capacity, dtype=jnp.int32)
-    ring, start = log.violation_ring, log.violation_write_index[0]
+    ring, context, start = log.violation_ring, log.violation_context, log.violation_write_index[0]
     for p in pending:
         k = row - start  # ring row start + k holds the launch's k-th row
         fresh = (k >= 0) & (k < p.count)
-        ring = jnp.where(fresh[:, None, None], p.rows[jnp.clip(k, 0, capacity - 1)], ring)
+        at = jnp.clip(k, 0, capacity - 1)
+        ring = jnp.where(fresh[:, None, None], p.rows[at], ring)
+        if context is not None:
+            context = jnp.where(fresh[:, None], p.context[at], context)
         start = _saturating_add(start, p.count)
-    return ViolationLog(violation_ring=ring, violation_write_index=start.reshape(1).astype(jnp.int32))
+    return ViolationLog(
+        violation_ring=ring, violation_write_index=start.reshape(1).astype(jnp.int32), violation_context=context
+    )
+
+
+def context(request_row: jax.Array, expected_position: jax.Array, batch_entry: jax.Array) -> jax.Array:
+    """i32[..., 3] row context from three i32 arrays of one shape."""
+    return jnp.stack([request_row, expected_position, batch_entry], axis=-1).astype(jnp.int32)

@@ -25,10 +25,13 @@ class ViolationLog:
     Attributes:
       violation_ring: u32[ring_capacity, 8, 2], rows of eight int64 fields; row 0 is the first violation forever.
       violation_write_index: i32[1], violations seen so far; keeps counting past capacity and saturates at 2^31-1.
+      violation_context: i32[ring_capacity, 3] beside each row (ours, not SGLang's): the request row, the expected
+        position and the batch entry the row is about, -1 where there is none. None keeps no context.
     """
 
     violation_ring: jax.Array
     violation_write_index: jax.Array
+    violation_context: jax.Array | None = None
 
     @classmethod
     def allocate(cls, *, ring_capacity: int) -> ViolationLog:
@@ -42,6 +45,7 @@ class ViolationLog:
         return cls(
             violation_ring=jnp.zeros((ring_capacity, constants.VIOLATION_FIELDS, 2), jnp.uint32),
             violation_write_index=jnp.zeros((1,), jnp.int32),
+            violation_context=jnp.full((ring_capacity, constants.CONTEXT_FIELDS), -1, jnp.int32),
         )
 
     @property

@@ -163,6 +163,7 @@ def build_demo(
         with_v=with_v,
         max_reqs=sc.max_reqs,
         max_context_len=sc.max_context_len,
+        padding="reserved",  # the demo scheduler pads as SGLang does: request row 0 and slot 0 are padding
     )
     canary = kc.KvCanary(canary_config, canary_pool)
     return DemoSetup(

@@ -29,7 +29,7 @@ from kvcanary_jax.core import _ops, _plans, _ring
 from kvcanary_jax.core._config import CanaryConfig
 from kvcanary_jax.core._constants import CanaryLaunchTag, Half, Phase, RealKvHashMode
 from kvcanary_jax.core._state import CanaryDeviceState, allocate_canary_buffer
-from kvcanary_jax.runtime import _pool, _sweep
+from kvcanary_jax.runtime import _inputs, _pool, _sweep
 from kvcanary_jax.runtime._batch import CanaryBatch, CanaryState
 from pallas_kernels import checks
 
@@ -114,18 +114,24 @@ class KvCanary:
         SGLang folds layer 0's K (and V) row of each slot: pass e.g. ``full_k=kv.k[0], full_v=kv.v[0]``. Arrays are
         wrapped with the group's page size and read their whole token row in ALL mode.
         """
-        page = {g.name: g.page_size for g in self.groups}
+        groups = {g.name: g for g in self.groups}
         given = {"full_k": full_k, "full_v": full_v, "swa_k": swa_k, "swa_v": swa_v}
         if self.pool.swa is None and (swa_k is not None or swa_v is not None):
             raise ValueError("swa_k / swa_v were given but the pool has no SWA group (CanaryPool.swa is None)")
-        return _pool.KvSources(
-            **{name: _pool.as_sources(name, value, page.get(name.split("_")[0], 1)) for name, value in given.items()}
-        )
+        if not self.pool.with_v and (full_v is not None or swa_v is not None):
+            raise ValueError("full_v / swa_v were given but CanaryPool.with_v is False: no V launch would read them")
+        sources = {}
+        for name, value in given.items():
+            g = groups.get(name.split("_")[0])
+            sources[name] = () if g is None else _pool.as_sources(name, value, g.page_size, g.num_slots)
+        return _pool.KvSources(**sources)
 
     def before_forward(self, state: CanaryState, batch: CanaryBatch) -> CanaryState:
         """HEAD launches, before the model writes KV: per group, build plans; per half, verify then write.
 
-        HEAD records carry no real-KV hash (the forward has not produced the KV yet).
+        HEAD records carry no real-KV hash (the forward has not produced the KV yet). The batch's values are
+        checked first: one that cannot be checked as given (out of range, negative, a reserved row or slot in use)
+        becomes an ``INVALID_INPUT`` row and is left out of the launches.
 
         Args:
           state: the canary state (donate it with the rest of the step's state).
@@ -137,9 +143,10 @@ class KvCanary:
         if not self.enabled:
             return state
         batch = self._checked_batch(state, batch)
-        state = self._update_expected_tokens(state, batch)
+        rows = self._rows(state, batch)
+        state = self._update_expected_tokens(state, batch, rows)
         for g in self.groups:
-            state = self._forward_phase(state, batch, g, Phase.HEAD, _pool.KvSources())
+            state = self._forward_phase(state, batch, rows, g, Phase.HEAD, _pool.KvSources())
         return state
 
     def after_forward(self, state: CanaryState, batch: CanaryBatch, kv_cache_sources: _pool.KvSources) -> CanaryState:
@@ -157,8 +164,9 @@ class KvCanary:
             return state
         batch = self._checked_batch(state, batch)
         self._check_sources(kv_cache_sources)
+        rows = self._rows(state, batch)  # the HEAD's, recomputed: in one jit XLA computes it once
         for g in self.groups:
-            state = self._forward_phase(state, batch, g, Phase.TAIL, kv_cache_sources)
+            state = self._forward_phase(state, batch, rows, g, Phase.TAIL, kv_cache_sources)
         return state
 
     def sweep_plan(
@@ -214,32 +222,42 @@ class KvCanary:
     # -- one phase of one group ------------------------------------------------------------------------------------
 
     def _forward_phase(
-        self, state: CanaryState, batch: CanaryBatch, g: _pool.Group, phase: Phase, sources: _pool.KvSources
+        self,
+        state: CanaryState,
+        batch: CanaryBatch,
+        rows: _inputs.Rows,
+        g: _pool.Group,
+        phase: Phase,
+        sources: _pool.KvSources,
     ) -> CanaryState:
         """A HEAD or TAIL phase of group ``g``: verify each half's cached slots, then write this step's records.
 
         Every verify reads its buffer before any write of the phase; their rows come out of one prefix sum and are
         gathered before the in-place stores, and all rows land in the ring at once, in SGLang's launch order
-        (verify K, write K, verify V, write V). Fewer, larger launches: the step pays per launch, not per byte.
+        (verify K, write K, verify V, write V), after the HEAD's ``INVALID_INPUT`` rows. Fewer, larger launches:
+        the step pays per launch, not per byte.
         """
-        verify_plan, write_plan = self._plans(state, batch, g)
+        checked = self._group(state, batch, rows, g)
         buffers, capacity = state.buffers(g), state.device.violation_log.ring_capacity
         check_token = self.config.enable_verify_token_assert
         verifies = [
-            self._verify(buffers.buffer(phase, h), verify_plan, g, phase, h, sources, check_expected_token=check_token)
+            self._verify(buffers.buffer(phase, h), checked, g, phase, h, sources, check_expected_token=check_token)
             for h in self.halves
         ]
-        verify_rows = _ops.pending_rows([(v.flags, v.build_rows) for v in verifies], capacity)
+        first = [(v.flags, v.build_rows) for v in verifies]
+        if phase is Phase.HEAD:
+            first.insert(0, checked.issues.launch_rows(g.tag(Phase.HEAD, Half.K)))
+        verify_rows = _ops.pending_rows(first, capacity)
         store_after = _ring.after(*(p.rows for p in verify_rows))
-        out_cache_loc = _plans.translate(batch.out_cache_loc, batch.full_to_swa_index_mapping if g.window else None)
+        input_rows, verify_rows = verify_rows[: len(first) - len(verifies)], verify_rows[len(first) - len(verifies) :]
         writes = []
         for h in self.halves:
             buf, launch = _ops.write_launch(
                 buffers.buffer(phase, h),
-                write_plan,
+                checked.write_plan,
                 batch.input_ids,
                 batch.positions,
-                out_cache_loc,
+                checked.out_cache_loc,
                 state.device.enable_chain_position_assert,
                 tag=g.tag(phase, h),
                 real_kv_sources=sources.get(g, h),
@@ -247,36 +265,46 @@ class KvCanary:
                 expected_inputs=self._expected_inputs(batch),
                 backend=self.config.backend,
                 store_after=store_after,
+                req_pool_indices=batch.req_pool_indices,
             )
             buffers = buffers.with_buffer(phase, h, buf)
             writes.append(launch)
         write_rows = _ops.pending_rows([(w.flags, w.build_rows) for w in writes], capacity)
-        in_launch_order = [p for pair in zip(verify_rows, write_rows, strict=True) for p in pair]
+        in_launch_order = input_rows + [p for pair in zip(verify_rows, write_rows, strict=True) for p in pair]
         launches = [x for pair in zip(verifies, writes, strict=True) for x in pair]
         device = _ops.apply(state.device, in_launch_order, launches)
         # Only the HEAD phase counts overflows: the TAIL phase rebuilds the identical plan.
-        overflows = state.verify_overflows + (1 - verify_plan.enable if phase is Phase.HEAD else 0)
+        overflows = state.verify_overflows + (1 - checked.verify_plan.enable if phase is Phase.HEAD else 0)
         return dataclasses.replace(state, device=device, verify_overflows=overflows, **{g.name: buffers})
 
-    def _plans(
-        self, state: CanaryState, batch: CanaryBatch, g: _pool.Group
-    ) -> tuple[_plans.VerifyPlan, _plans.WritePlan]:
-        token_pool = state.device.req_to_verify_expected_tokens if self.config.enable_verify_token_assert else None
-        return _plans.build_plans(
-            batch.req_pool_indices,
-            batch.prefix_lens,
-            batch.extend_lens,
-            batch.req_to_token,
-            verify_capacity=g.verify_capacity,
-            write_req_capacity=batch.req_pool_indices.shape[0],
-            swa_window_size=g.window,
-            full_to_swa_index_mapping=batch.full_to_swa_index_mapping if g.window else None,
-            req_to_verify_expected_tokens=token_pool,
-            expected_tokens_valid_lens=batch.token_ids_lens if token_pool is not None else None,
-            kv_token_id_vs_position_offset=self.pool.kv_token_id_vs_position_offset,
+    def _rows(self, state: CanaryState, batch: CanaryBatch) -> _inputs.Rows:
+        token_pool = state.device.req_to_verify_expected_tokens
+        return _inputs.check_rows(
+            batch,
+            padding=self.pool.padding,
+            table_rows=batch.req_to_token.shape[0],
+            context_len=batch.req_to_token.shape[1],
+            token_ids_width=token_pool.shape[1] if self.config.enable_verify_token_assert else None,
         )
 
-    def _verify(self, buf, plan, g, phase, half, sources, *, check_expected_token) -> _ops.Launch:
+    def _group(self, state: CanaryState, batch: CanaryBatch, rows: _inputs.Rows, g: _pool.Group) -> _inputs.Group:
+        token_pool = state.device.req_to_verify_expected_tokens if self.config.enable_verify_token_assert else None
+        return _inputs.check_group(
+            batch,
+            rows,
+            window=g.window,
+            num_slots=g.num_slots,
+            full_num_slots=self.pool.num_slots,
+            verify_capacity=g.verify_capacity,
+            token_pool=token_pool,
+            token_offset=self.pool.kv_token_id_vs_position_offset,
+        )
+
+    def _verify(self, buf, checked, g, phase, half, sources, *, check_expected_token) -> _ops.Launch:
+        """A verify launch of a :class:`_inputs.Group` (forward phases) or a bare :class:`VerifyPlan` (sweeps)."""
+        plan, entry_requests = (
+            (checked, None) if isinstance(checked, _plans.VerifyPlan) else (checked.verify_plan, checked.entry_requests)
+        )
         return _ops.verify_launch(
             buf,
             plan,
@@ -285,6 +313,7 @@ class KvCanary:
             real_kv_hash_mode=self.config.real_kv_hash_mode,
             check_expected_token=check_expected_token,
             backend=self.config.backend,
+            entry_requests=entry_requests,
         )
 
     def _expected_inputs(self, batch: CanaryBatch) -> tuple[jax.Array, jax.Array] | None:
@@ -294,13 +323,15 @@ class KvCanary:
         positions = batch.positions if batch.expected_positions is None else batch.expected_positions
         return batch.expected_input_ids, positions
 
-    def _update_expected_tokens(self, state: CanaryState, batch: CanaryBatch) -> CanaryState:
+    def _update_expected_tokens(self, state: CanaryState, batch: CanaryBatch, rows: _inputs.Rows) -> CanaryState:
         """Scatters the batched requests' token history into the expected-token pool (SGLang's snapshot scatter)."""
         if not self.config.enable_verify_token_assert:
             return state
-        rows = batch.req_pool_indices
-        # Padding rows point at row 0, which is never real: writing it is harmless and keeps shapes static.
-        pool_tokens = state.device.req_to_verify_expected_tokens.at[rows].set(batch.token_ids[rows])
+        pool_tokens = state.device.req_to_verify_expected_tokens
+        # Rows that are not requests (padding, or rejected by the checks) go to an index past the pool: dropped.
+        target = jnp.where(rows.active, batch.req_pool_indices, pool_tokens.shape[0])
+        source = batch.token_ids[jnp.clip(batch.req_pool_indices, 0, batch.token_ids.shape[0] - 1)]
+        pool_tokens = pool_tokens.at[target].set(source, mode="drop")
         device = dataclasses.replace(state.device, req_to_verify_expected_tokens=pool_tokens)
         return dataclasses.replace(state, device=device)
 

@@ -16,6 +16,7 @@ from kvcanary_jax.core._state import u64_pairs_as_int64
 from kvcanary_jax.runtime import _health
 from kvcanary_jax.runtime._batch import CanaryState
 from kvcanary_jax.runtime._canary import KvCanary
+from pallas_kernels import checks
 
 logger = logging.getLogger("kvcanary_jax.monitor")  # a stable name users filter on, whatever the module path
 
@@ -43,12 +44,14 @@ class ObservedViolation:
       step: the monitor step (1-based count of ``after_step`` calls) whose launches appended the row.
       observed_step: the monitor step at which the host read it (``step + check_lag_steps`` normally).
       row: the row's index in the ring.
+      user_step: the step the caller passed to ``after_step`` for ``step`` (None if it passed none).
     """
 
     violation: _report.Violation
     step: int
     observed_step: int
     row: int
+    user_step: int | None = None
 
 
 class CanaryMonitor:
@@ -77,10 +80,11 @@ class CanaryMonitor:
         self.step = 0
         self.observed: list[ObservedViolation] = []
         self.watchdog = _health.HealthWatchdog(canary.launch_tags())
-        self._pending: collections.deque[tuple[int, jax.Array]] = collections.deque()
+        self._pending: collections.deque[tuple[int, int | None, jax.Array]] = collections.deque()
         self._index = 0  # write index as of the last processed snapshot
         self._overflows = 0
         self._report: _report.ViolationReport | None = None  # the last pulled ring
+        self.user_step: int | None = None  # the caller's number for the latest step, if it passed one
 
     @property
     def sweep_due(self) -> bool:
@@ -88,24 +92,32 @@ class CanaryMonitor:
         interval = self.config.sweep_interval
         return self.canary.enabled and interval > 0 and self.step % interval == 0
 
-    def after_step(self, state: CanaryState) -> None:
+    def after_step(self, state: CanaryState, *, step: int | None = None) -> None:
         """Stages this step's snapshot and processes the one from ``check_lag_steps`` steps ago.
+
+        Args:
+          state: the canary state after the step (and its sweep, if one ran).
+          step: the step's number in the caller's loop; reports then name steps by it (default: the count of
+            ``after_step`` calls, from 1).
 
         Raises:
           KvCanaryViolationError: in raise mode, when a processed snapshot shows new violations.
           KvCanaryHealthError: when a health check finds a tag that did not run.
         """
         self.step += 1
+        if step is not None and not checks.is_int(step):
+            raise TypeError(f"step must be an int; got step={step!r}")
+        self.user_step = None if step is None else int(step)
         if not self.canary.enabled:
             return
         snapshot = self._take_snapshot(state)
         snapshot.copy_to_host_async()
-        self._pending.append((self.step, snapshot))
+        self._pending.append((self.step, self.user_step, snapshot))
         while self._pending and self._pending[0][0] <= self.step - self.config.check_lag_steps:
             self._process(*self._pending.popleft(), state)
 
     def final_check(self, state: CanaryState) -> _report.ViolationReport:
-        """Blocking: processes every pending snapshot and the state as it is now; returns the full _report.
+        """Blocking: processes every pending snapshot and the state as it is now; returns the full report.
 
         Raises:
           KvCanaryViolationError: in raise mode, if violations not yet raised are found.
@@ -113,7 +125,7 @@ class CanaryMonitor:
         if self.canary.enabled:
             while self._pending:
                 self._process(*self._pending.popleft(), state)
-            self._process(self.step, self._take_snapshot(state), state, periodic=False)
+            self._process(self.step, self.user_step, self._take_snapshot(state), state, periodic=False)
         return _report.read_violations(state.violation_log)
 
     @staticmethod
@@ -123,7 +135,9 @@ class CanaryMonitor:
             d.violation_log.violation_write_index, state.verify_overflows, d.kernel_run_counters, d.slot_run_counters
         )
 
-    def _process(self, step: int, snapshot: jax.Array, state: CanaryState, periodic: bool = True) -> None:
+    def _process(
+        self, step: int, user_step: int | None, snapshot: jax.Array, state: CanaryState, periodic: bool = True
+    ) -> None:
         index, overflows, kernel, slot = _unpack(np.asarray(snapshot))
         if overflows > self._overflows:
             capacities = {g.name: g.verify_capacity for g in self.canary.groups}
@@ -136,7 +150,7 @@ class CanaryMonitor:
             )
             self._overflows = overflows
         if index > self._index:
-            self._collect(step, index, state)
+            self._collect(step, user_step, index, state)
         if periodic and self.config.health_check_every_n_steps and step % self.config.health_check_every_n_steps == 0:
             self.watchdog.check(kernel, step=step)
         if periodic and self.config.stats_every_n_steps and step % self.config.stats_every_n_steps == 0:
@@ -144,22 +158,30 @@ class CanaryMonitor:
                 _health.stats_line(step=step, kernel_run_counters=kernel, slot_run_counters=slot, write_index=index)
             )
 
-    def _collect(self, step: int, index: int, state: CanaryState) -> None:
+    def _collect(self, step: int, user_step: int | None, index: int, state: CanaryState) -> None:
         """Reports ring rows ``[previous index, index)``, all written by ``step``; pulls the ring only if needed."""
         capacity = self.config.ring_capacity
         first, last = min(self._index, capacity), min(index, capacity)
         if last > first and (self._report is None or self._report.ring_valid_count < last):
             self._report = _report.read_violations(state.violation_log)  # a sync, only when there is news
-        new = [ObservedViolation(self._report.violations[row], step, self.step, row) for row in range(first, last)]
+        new = [
+            ObservedViolation(self._report.violations[row], step, self.step, row, user_step)
+            for row in range(first, last)
+        ]
         dropped = index - max(self._index, capacity) if index > capacity else 0
         self._index = index
         self.observed.extend(new)
+        now = self.step if self.user_step is None else self.user_step
+        written = step if user_step is None else user_step
         messages = [
-            _report.format_violation(o.violation, total=index, overflowed=index > capacity, step=self.step) for o in new
+            _report.format_violation(
+                o.violation, total=index, overflowed=index > capacity, step=now, written_step=written
+            )
+            for o in new
         ]
         if dropped:
             messages.append(
-                f"kv-canary: {dropped} more violation(s) at step={step} were dropped: the ring "
+                f"kv-canary: {dropped} more violation(s) at step={written} were dropped: the ring "
                 f"(ring_capacity={capacity}) is full"
             )
         if self.config.mode is CanaryMode.RAISE:

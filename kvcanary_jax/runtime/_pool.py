@@ -3,17 +3,24 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 
 from kvcanary_jax.core._constants import CanaryLaunchTag, Half, Phase, PoolKind, launch_tag
-from pallas_kernels.realkv import RealKvSource
+from pallas_kernels import checks
+from pallas_kernels.realkv import RealKvSource, check_kv_dtype
+
+PADDINGS = ("negative", "reserved", "none")
 
 
-def _positive(name: str, value) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise ValueError(f"{name} must be a positive int; got {name}={value!r}")
+def _positive(obj, cls_name: str, name: str) -> None:
+    """Checks that field ``name`` is a positive integer (Python or numpy) and stores it as a Python int."""
+    value = getattr(obj, name)
+    if not checks.is_int(value) or value <= 0:
+        raise ValueError(f"{cls_name}.{name} must be a positive int; got {name}={value!r}")
+    object.__setattr__(obj, name, int(value))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,11 +43,9 @@ class SwaGroup:
     verify_capacity: int | None = None
 
     def __post_init__(self):
-        _positive("SwaGroup.num_slots", self.num_slots)
-        _positive("SwaGroup.window", self.window)
-        for name in ("page_size", "verify_capacity"):
-            if getattr(self, name) is not None:
-                _positive(f"SwaGroup.{name}", getattr(self, name))
+        for name in ("num_slots", "window", "page_size", "verify_capacity"):
+            if getattr(self, name) is not None or name in ("num_slots", "window"):
+                _positive(self, "SwaGroup", name)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,6 +63,13 @@ class CanaryPool:
         per-request expected-token pool of that shape.
       kv_token_id_vs_position_offset: the token whose KV sits at position p is token p + offset (1 for an EAGLE
         draft pool; 0 otherwise).
+      padding: how the engine marks padding in a batch (slot 0 is always the canary's reserved padding slot):
+
+        - ``"negative"`` (default): padding rows have ``req_pool_indices < 0`` and padding tokens
+          ``out_cache_loc < 0``; every ``req_to_token`` row, row 0 included, can hold a request (sglang-jax, vLLM).
+        - ``"reserved"``: SGLang's: ``req_to_token`` row 0 is the padding row (``req_pool_indices == 0``), whose
+          tokens may write slot 0; a request in row 0 is an ``INVALID_INPUT`` violation.
+        - ``"none"``: every batch row is a request; a negative ``req_pool_indices`` is a violation.
     """
 
     num_slots: int
@@ -68,21 +80,27 @@ class CanaryPool:
     max_reqs: int | None = None
     max_context_len: int | None = None
     kv_token_id_vs_position_offset: int = 0
+    padding: str = "negative"
 
     def __post_init__(self):
-        _positive("CanaryPool.num_slots", self.num_slots)
-        _positive("CanaryPool.page_size", self.page_size)
-        for name in ("verify_capacity", "max_reqs", "max_context_len"):
-            if getattr(self, name) is not None:
-                _positive(f"CanaryPool.{name}", getattr(self, name))
+        for name in ("num_slots", "page_size", "verify_capacity", "max_reqs", "max_context_len"):
+            if getattr(self, name) is not None or name in ("num_slots", "page_size"):
+                _positive(self, "CanaryPool", name)
+        if self.num_slots < 2:
+            raise ValueError(
+                f"CanaryPool.num_slots must be >= 2 (slot 0 is the reserved padding slot); got num_slots={self.num_slots}"
+            )
+        if self.padding not in PADDINGS:
+            raise ValueError(f"CanaryPool.padding must be one of {PADDINGS}; got padding={self.padding!r}")
         if self.swa is not None and not isinstance(self.swa, SwaGroup):
             raise TypeError(f"CanaryPool.swa must be a SwaGroup or None; got {type(self.swa).__name__}")
         if not isinstance(self.with_v, bool):
             raise TypeError(f"CanaryPool.with_v must be a bool; got with_v={self.with_v!r}")
-        if not isinstance(self.kv_token_id_vs_position_offset, int):
+        if not checks.is_int(self.kv_token_id_vs_position_offset):
             raise TypeError(
                 f"kv_token_id_vs_position_offset must be an int; got {self.kv_token_id_vs_position_offset!r}"
             )
+        object.__setattr__(self, "kv_token_id_vs_position_offset", int(self.kv_token_id_vs_position_offset))
 
     @property
     def groups(self) -> tuple[Group, ...]:
@@ -160,17 +178,45 @@ class KvSources:
         return getattr(self, f"{group.name}_{half.name.lower()}")
 
 
-def as_sources(name: str, value, page_size: int) -> tuple[RealKvSource, ...]:
-    """One field of :class:`KvSources` from None, an array, a RealKvSource, or a sequence of those."""
+def as_sources(name: str, value, page_size: int, num_slots: int) -> tuple[RealKvSource, ...]:
+    """One field of :class:`KvSources` from None, an array, a RealKvSource, or a sequence of those.
+
+    An array must be paged as the pool is: ``[pages, page_size, ...]``, page axis first, covering every slot of
+    the group. (A :class:`RealKvSource` states its own layout; it is checked when a launch uses it.)
+    """
     if value is None:
         return ()
-    items = value if isinstance(value, Sequence) else (value,)
+    items = value if isinstance(value, (list, tuple)) else (value,)
     out = []
     for i, item in enumerate(items):
+        arg = name if len(items) == 1 and not isinstance(value, (list, tuple)) else f"{name}[{i}]"
         if isinstance(item, RealKvSource):
             out.append(item)
         elif hasattr(item, "shape") and hasattr(item, "dtype"):
-            out.append(RealKvSource(item, page_size=page_size))
+            out.append(RealKvSource(_paged_kv(arg, item, page_size, num_slots), page_size=page_size))
         else:
-            raise TypeError(f"{name}[{i}] must be a KV array or a RealKvSource; got {type(item).__name__}")
+            raise TypeError(f"{arg} must be a KV array or a RealKvSource; got {type(item).__name__}")
     return tuple(out)
+
+
+def _paged_kv(arg: str, kv, page_size: int, num_slots: int):
+    """``kv`` as a jax array, checked to be laid out ``[pages, page_size, ...]`` and to cover ``num_slots``."""
+    check_kv_dtype(kv.dtype, arg)
+    shape = tuple(kv.shape)
+    if len(shape) < 2 or shape[1] != page_size:
+        hint = ""
+        if page_size in shape[2:]:
+            hint = (
+                f" The page_size ({page_size}) is a later axis: a head-major [pages, heads, page_size, dim] array "
+                "is not laid out per slot; pass a slot-major view, or a RealKvSource stating the layout."
+            )
+        raise ValueError(
+            f"{arg} must be a paged KV array laid out [pages, page_size={page_size}, ...] (CanaryPool.page_size, "
+            f"page axis first, then the slot within its page); got shape {shape}.{hint}"
+        )
+    if shape[0] * page_size < num_slots:
+        raise ValueError(
+            f"{arg} holds {shape[0]} pages x {page_size} = {shape[0] * page_size} slots, fewer than the group's "
+            f"num_slots={num_slots}: every canary slot needs KV bytes"
+        )
+    return jnp.asarray(kv) if isinstance(kv, np.ndarray) else kv

@@ -69,7 +69,7 @@ def cross_shard_check(
             jnp.full_like(entry, int(FailReason.SHARD_CHAIN_MISMATCH), dtype=jnp.uint32),
             consensus[entry].astype(jnp.uint32),
         )
-        return _ring.pack_row(
+        rows = _ring.pack_row(
             [
                 hash64.const(tag, entry),
                 hash64.from_i32(out_cache_loc[entry]),
@@ -81,6 +81,8 @@ def cross_shard_check(
                 bits,
             ]
         )
+        unknown = jnp.full_like(entry, -1)
+        return rows, _ring.context(unknown, lax.bitcast_convert_type(position[0], jnp.int32), entry)
 
     log = _ops.append(state.violation_log, flags, build_rows)
     return dataclasses.replace(state, violation_log=log)

@@ -1,4 +1,4 @@
-"""``ShardedCanaryMonitor``: the host monitor over a mesh, one :class:`CanaryMonitor` per device, one merged _report.
+"""``ShardedCanaryMonitor``: the host monitor over a mesh, one :class:`CanaryMonitor` per device, one merged report.
 
 Each device's monitor polls that device's own write index and counters (lagged, non-blocking, as on one device).
 Violations are reported here instead, device-major, from the merged report: SGLang's message plus the device's mesh
@@ -87,7 +87,7 @@ class ShardedCanaryMonitor:
         """Whether the step now running should end with a sweep (see ``CanaryMonitor.sweep_due``)."""
         return next(iter(self.monitors.values())).sweep_due
 
-    def after_step(self, state: CanaryState) -> None:
+    def after_step(self, state: CanaryState, *, step: int | None = None) -> None:
         """Lets every device's monitor poll, then reports new violations device-major.
 
         Raises:
@@ -98,7 +98,7 @@ class ShardedCanaryMonitor:
         stalled = []
         for coords, view in self._views(state).items():
             try:
-                self.monitors[coords].after_step(view)
+                self.monitors[coords].after_step(view, step=step)
             except _health.KvCanaryHealthError as e:
                 stalled.append(f"device {self.sharded.mesh_layout.label(coords)}: {e}")
         self._report_new(state, seen)
@@ -106,7 +106,7 @@ class ShardedCanaryMonitor:
             raise _health.KvCanaryHealthError("\n".join(stalled))
 
     def final_check(self, state: CanaryState) -> _sharded_report.ShardedViolationReport:
-        """Blocking: processes every pending snapshot on every device; returns the merged _report.
+        """Blocking: processes every pending snapshot on every device; returns the merged report.
 
         Raises:
           KvCanaryViolationError: in raise mode, if violations not yet raised are found.
@@ -117,7 +117,7 @@ class ShardedCanaryMonitor:
         return self._report_new(state, seen) or self.sharded.read_violations(state)
 
     def _report_new(self, state, seen) -> _sharded_report.ShardedViolationReport | None:
-        """Logs (or raises) the violations the device monitors observed since ``seen``; returns the merged _report."""
+        """Logs (or raises) the violations the device monitors observed since ``seen``; returns the merged report."""
         new = {c: self.monitors[c].observed[n:] for c, n in seen.items() if len(self.monitors[c].observed) > n}
         if not new:
             return None
@@ -128,7 +128,15 @@ class ShardedCanaryMonitor:
             for o in observed:
                 dv = rows[coords][o.row]
                 self.observed.append(DeviceObservedViolation(device=coords, peer=dv.peer, observed=o))
-                messages.append(_sharded_report.format_device_violation(dv, merged, step=self.step))
+                monitor = self.monitors[coords]
+                messages.append(
+                    _sharded_report.format_device_violation(
+                        dv,
+                        merged,
+                        step=monitor.step if monitor.user_step is None else monitor.user_step,
+                        written_step=o.step if o.user_step is None else o.user_step,
+                    )
+                )
         if self.config.mode is CanaryMode.RAISE:
             raise _report.KvCanaryViolationError(merged, "\n".join(messages))
         for message in messages:

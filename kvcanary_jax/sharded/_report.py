@@ -58,7 +58,9 @@ class ShardedViolationReport:
         return [format_device_violation(v, self, step=step) for v in self.violations[start:]]
 
 
-def format_device_violation(dv: DeviceViolation, merged: ShardedViolationReport, *, step: int | None = None) -> str:
+def format_device_violation(
+    dv: DeviceViolation, merged: ShardedViolationReport, *, step: int | None = None, written_step: int | None = None
+) -> str:
     """SGLang's message for ``dv`` (its first line unchanged), then ``  device: ...`` and, if any, ``  peer: ...``.
 
     ``total_violations`` and ``ring_overflow`` are those of ``dv``'s device, whose ring held the row.
@@ -66,7 +68,9 @@ def format_device_violation(dv: DeviceViolation, merged: ShardedViolationReport,
     mesh_layout = merged.mesh_layout
     own = merged.per_device[dv.device]
     lines = [
-        _report.format_violation(dv.violation, total=own.write_index, overflowed=own.overflowed, step=step),
+        _report.format_violation(
+            dv.violation, total=own.write_index, overflowed=own.overflowed, step=step, written_step=written_step
+        ),
         f"  device: {mesh_layout.label(dv.device)} ({mesh_layout.mesh.devices[dv.device]})",
     ]
     if dv.peer is not None:
@@ -75,7 +79,7 @@ def format_device_violation(dv: DeviceViolation, merged: ShardedViolationReport,
 
 
 def read_sharded_violations(violation_log: ViolationLog, mesh_layout: _layout.MeshLayout) -> ShardedViolationReport:
-    """Copies every device's ring to the host (a sync) and merges them into one _report.
+    """Copies every device's ring to the host (a sync) and merges them into one report.
 
     Args:
       violation_log: a per-device log: ring u32[*mesh, capacity, 8, 2], index i32[*mesh, 1].
@@ -85,15 +89,22 @@ def read_sharded_violations(violation_log: ViolationLog, mesh_layout: _layout.Me
         raise TypeError(f"violation_log must be a ViolationLog; got {type(violation_log).__name__}")
     shape = mesh_layout.shape
     rings, indices = np.asarray(violation_log.violation_ring), np.asarray(violation_log.violation_write_index)
+    contexts = None if violation_log.violation_context is None else np.asarray(violation_log.violation_context)
     if rings.shape[: len(shape)] != shape or indices.shape != shape + (1,):
         raise ValueError(
             f"violation_log must be per-device with leading axes {shape}; got ring shape {rings.shape} and index "
-            f"shape {indices.shape}. Allocate it with _layout.per_device(..., mesh_layout)."
+            f"shape {indices.shape}. Allocate it with kvcanary_jax.per_device(..., mesh_layout)."
         )
     tp = mesh_layout.axis_names.index(mesh_layout.tp_axis) if mesh_layout.tp_axis is not None else None
     per_device, violations = {}, []
     for coords, _ in mesh_layout.devices():
-        own = _report.read_violations(ViolationLog(violation_ring=rings[coords], violation_write_index=indices[coords]))
+        own = _report.read_violations(
+            ViolationLog(
+                violation_ring=rings[coords],
+                violation_write_index=indices[coords],
+                violation_context=None if contexts is None else contexts[coords],
+            )
+        )
         per_device[coords] = own
         for row, v in zip(own.rows, own.violations, strict=True):
             peer = None

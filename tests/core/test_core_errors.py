@@ -78,7 +78,9 @@ def test_bad_real_kv_source_values(kwargs, pattern):
 def test_bad_real_kv_source_data():
     with pytest.raises(TypeError, match=r"RealKvSource.data must be an array; got list"):
         kc.RealKvSource([1, 2, 3])
-    with pytest.raises(TypeError, match=r"1/2/4/8-byte numeric dtype; got bool"):
+    with pytest.raises(
+        TypeError, match=r"RealKvSource.data must have a 1/2/4/8-byte integer or float dtype .*; got dtype bool"
+    ):
         kc.RealKvSource(jnp.zeros((4, 16), bool))
     with pytest.raises(ValueError, match=r"multiple of 16 bytes; got 24 bytes"):
         kc.RealKvSource(jnp.zeros((4, 12), jnp.bfloat16))

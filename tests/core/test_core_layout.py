@@ -75,7 +75,11 @@ def test_state_allocation_shapes_and_pytree():
     state = kc.CanaryDeviceState.allocate(config=config, req_to_token_alloc_size=3, max_context_len=5)
     shapes = jax.tree.map(lambda x: (x.shape, x.dtype.name), state)
     assert shapes == kc.CanaryDeviceState(
-        violation_log=kc.ViolationLog(violation_ring=((8, 8, 2), "uint32"), violation_write_index=((1,), "int32")),
+        violation_log=kc.ViolationLog(
+            violation_ring=((8, 8, 2), "uint32"),
+            violation_write_index=((1,), "int32"),
+            violation_context=((8, 3), "int32"),  # ours: request row, expected position, batch entry per row
+        ),
         kernel_run_counters=((12, 2), "uint32"),
         slot_run_counters=((12, 2), "uint32"),
         enable_chain_position_assert=((1,), "int32"),
@@ -84,9 +88,10 @@ def test_state_allocation_shapes_and_pytree():
     assert state.enable_chain_position_assert.tolist() == [1]  # on after allocate, like SGLang
     assert (np.asarray(state.req_to_verify_expected_tokens) == -1).all()
     assert not np.asarray(state.violation_log.violation_ring).any()
-    assert len(jax.tree.leaves(state)) == 6
+    assert (np.asarray(state.violation_log.violation_context) == -1).all()
+    assert len(jax.tree.leaves(state)) == 7
     plain = kc.CanaryDeviceState.allocate(config=kc.CanaryConfig())
-    assert plain.req_to_verify_expected_tokens is None and len(jax.tree.leaves(plain)) == 5
+    assert plain.req_to_verify_expected_tokens is None and len(jax.tree.leaves(plain)) == 6
     assert plain.violation_log.ring_capacity == 1024 and plain.num_tags == 12
     with pytest.raises(dataclasses.FrozenInstanceError):
         state.kernel_run_counters = None

@@ -141,7 +141,7 @@ def test_read_violations_derived_fields(count, valid, overflowed):
         first = report.first_violation
         assert first == report.violations[0]
         assert (first.slot_idx, first.position, first.fail_reason) == (1, 0, kc.FailReason.VERIFY_POSITION_MISMATCH)
-        assert all(isinstance(getattr(first, f.name), int) for f in dataclasses.fields(first))
+        assert all(isinstance(getattr(first, f.name), int) for f in dataclasses.fields(first)[:8])  # SGLang's
     else:
         assert report.first_violation is None and report.violations == ()
 
@@ -165,7 +165,13 @@ def test_format_first_line_matches_sglang_regex():
     assert lines[3] == "  fail_reasons: verify_chain_hash verify_position"
     assert lines[4] == "  stored:   token_id=-3   position=7 prev_hash=0xfffffffffffffffe"
     assert lines[5] == "  expected: prev_hash=0x0000000000002100"
-    assert lines[-1] == "  total_violations=3 ring_overflow=False step_when_pumped=17"
+    assert lines[6] == "  total_violations=3 ring_overflow=False step_when_pumped=17"
+    # Ours, after SGLang's block: no context (no request line), the token, the likely cause.
+    assert lines[7:] == [
+        "  token: expected=42 found=-3",
+        "  likely cause: this slot's record differs from its chain after the forward: the page table or the slot's "
+        "record changed during the step",
+    ]
 
 
 def test_format_reason_labels_and_kinds():
@@ -175,7 +181,8 @@ def test_format_reason_labels_and_kinds():
         "  actual:   token_id=-3   position=7 prev_hash=0xfffffffffffffffe",
         "  expected: token_id=42   position=8",
     ]
-    assert write[-1] == "  total_violations=1 ring_overflow=True step_when_pumped=None"
+    assert write[6] == "  total_violations=1 ring_overflow=True step_when_pumped=None"
+    assert write[7] == "  token: expected=42 found=-3"
     token = kc.format_violation(_violation(TAG_TAIL, 4 | 32), total=1, overflowed=False).split("\n")
     assert FIRST_LINE.match(token[0]).group(2) == "verify_real_kv_hash+verify_token"
     assert token[5] == "  expected: token_id=42 prev_hash=0x0000000000000008"
@@ -194,7 +201,8 @@ def test_report_of_a_real_ring_formats_and_raises():
     for message, slot in zip(messages, (3, 4), strict=True):
         m = FIRST_LINE.match(message.split("\n")[0])
         assert m.group(1, 2, 3, 4) == ("TAIL_K_FULL", "verify_position", str(slot), "0")
-        assert message.endswith("total_violations=2 ring_overflow=False step_when_pumped=9")
+        assert message.split("\n")[6] == "  total_violations=2 ring_overflow=False step_when_pumped=9"
+        assert "  token: found=0 (token not checked)" in message
     # Hashes are printed as u64 (SGLang's 0x%016x of the int64's bits).
     row_hash = int(report.rows[0][5]) & U64
     assert f"stored_chain_hash=0x{row_hash:016x}" in messages[0]
@@ -227,13 +235,23 @@ def _spec_append(ring, index, flags, rows):
 def test_batched_appends_match_the_spec_scatter_form(capacity, index, launches):
     """Several launches appended at once (``first_rows`` + ``place``) equal SPEC's scatter, launch after launch."""
     old = np.full((capacity, 8, 2), 7, np.uint32)
-    log = kc.ViolationLog(violation_ring=jnp.asarray(old), violation_write_index=jnp.asarray([index], jnp.int32))
-    want_ring, want_index, sources = old, index, []
+    old_context = np.full((capacity, 3), -7, np.int32)
+    log = kc.ViolationLog(
+        violation_ring=jnp.asarray(old),
+        violation_write_index=jnp.asarray([index], jnp.int32),
+        violation_context=jnp.asarray(old_context),
+    )
+    want_ring, want_context, want_index, sources = old, old_context, index, []
     for n, flags in enumerate(launches):
         flags = np.asarray(flags, bool)
         rows = (np.arange(flags.size * 16, dtype=np.uint32).reshape(flags.size, 8, 2) + 1000 * n).astype(np.uint32)
+        context = np.stack([np.full(flags.size, n), np.arange(flags.size), -np.arange(flags.size)], -1).astype(np.int32)
+        want_context, _ = _spec_append(want_context, want_index, flags, context)
         want_ring, want_index = _spec_append(want_ring, want_index, flags, rows)
-        sources.append((jnp.asarray(flags), lambda entry, rows=rows: jnp.asarray(rows)[entry]))
+        sources.append(
+            (jnp.asarray(flags), lambda entry, r=rows, c=context: (jnp.asarray(r)[entry], jnp.asarray(c)[entry]))
+        )
     new = _ring.place(log, _ops.pending_rows(sources, capacity))
     np.testing.assert_array_equal(np.asarray(new.violation_ring), want_ring)
+    np.testing.assert_array_equal(np.asarray(new.violation_context), want_context)
     assert int(new.violation_write_index[0]) == want_index

@@ -1,0 +1,290 @@
+"""In-jit checks of a batch's values: what the canary cannot check as given becomes one ``INVALID_INPUT`` row.
+
+JAX clamps out-of-range gathers and drops out-of-range scatters without a word, so a batch whose conventions
+differ from the canary's would go unchecked, or report rows that name nothing. Before the launches, every value
+they index with is checked against the pool, the table and the token arrays. A bad value is reported once per step,
+as a row naming the field, the batch entry and the value, and is masked out of the launches: its row (request) is
+not verified or written, its slot is skipped, so it adds no rows of its own. Padding is never a violation.
+
+An ``INVALID_INPUT`` row keeps SGLang's eight fields: ``launch_tag`` is the group's HEAD K tag, ``slot_idx`` the slot
+involved (-1 if none), ``position`` the request position (-1 if none), ``stored_token`` the value received,
+``expected_token`` the exclusive limit it broke (-1 if none), ``stored_chain_hash`` the batch entry (row or token
+index), ``expected_aux`` the request row (-1 if unknown), and ``fail_reason_bits`` is
+``INVALID_INPUT | field << 32 | problem << 40`` (:class:`InputField`, :class:`InputProblem`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from kvcanary_jax.core import _constants as constants
+from kvcanary_jax.core import _plans, _ring
+from kvcanary_jax.core._constants import FailReason, InputField, InputProblem
+from pallas_kernels import hash64, layout
+
+_RESERVED_SLOT = layout.PADDING_SLOT
+
+
+@dataclasses.dataclass(frozen=True)
+class Issues:
+    """Parallel i32[n] arrays, one entry per checked value; ``problem == 0`` where the value is fine."""
+
+    problem: jax.Array
+    field: jax.Array
+    value: jax.Array
+    limit: jax.Array
+    slot: jax.Array
+    position: jax.Array
+    entry: jax.Array
+    request: jax.Array
+
+    @classmethod
+    def of(cls, problem, field, value, *, limit=-1, slot=-1, position=-1, entry=-1, request=-1) -> Issues:
+        """Broadcasts every field to ``problem``'s shape."""
+        full = lambda x: jnp.broadcast_to(jnp.asarray(x, jnp.int32), problem.shape)  # noqa: E731
+        return cls(*(full(x) for x in (problem, field, value, limit, slot, position, entry, request)))
+
+    @staticmethod
+    def concat(parts: list[Issues]) -> Issues:
+        return Issues(*(jnp.concatenate([getattr(p, f.name) for p in parts]) for f in dataclasses.fields(Issues)))
+
+    def launch_rows(self, tag: int):
+        """``(flags, build_rows)`` for :func:`kvcanary_jax.core._ops.pending_rows`."""
+        bits = (
+            int(FailReason.INVALID_INPUT),
+            self.field << (constants.INPUT_FIELD_SHIFT - 32) | self.problem << (constants.INPUT_PROBLEM_SHIFT - 32),
+        )
+
+        def build_rows(entry):
+            rows = _ring.pack_row(
+                [
+                    hash64.const(tag, entry),
+                    hash64.from_i32(self.slot[entry]),
+                    hash64.from_i32(self.position[entry]),
+                    hash64.from_i32(self.value[entry]),
+                    hash64.from_i32(self.limit[entry]),
+                    hash64.from_i32(self.entry[entry]),
+                    hash64.from_i32(self.request[entry]),
+                    (jnp.full_like(entry, bits[0], dtype=jnp.uint32), bits[1][entry].astype(jnp.uint32)),
+                ]
+            )
+            return rows, _ring.context(self.request[entry], self.position[entry], self.entry[entry])
+
+        return self.problem != 0, build_rows
+
+
+@dataclasses.dataclass(frozen=True)
+class Rows:
+    """The batch rows' roles after their checks.
+
+    Attributes:
+      active: bool[bs] rows that are requests the launches verify and write.
+      span_lens: i32[bs] token entries each row owns (>= 0), active or not: the token layout stays as given.
+      token_rows: i32[T] batch row owning each token entry; -1 past every span.
+      issues: one per row (its first problem), for the FULL group's input launch.
+    """
+
+    active: jax.Array
+    span_lens: jax.Array
+    token_rows: jax.Array
+    issues: Issues
+
+
+def check_rows(batch, *, padding: str, table_rows: int, context_len: int, token_ids_width: int | None) -> Rows:
+    """Checks each batch row: its request row, its lengths, its tokens' span; and says which rows are requests.
+
+    Args:
+      batch: the :class:`CanaryBatch` (jax arrays).
+      padding: the pool's convention: ``"negative"`` (rows < 0 are padding), ``"reserved"`` (row 0 is padding) or
+        ``"none"`` (no padding rows).
+      table_rows, context_len: ``req_to_token``'s shape.
+      token_ids_width: the expected-token pool's width when the verify-token assert is on, else None.
+    """
+    rpi, prefix, extend = batch.req_pool_indices, batch.prefix_lens, batch.extend_lens
+    num_tokens = batch.input_ids.shape[0]
+    r = jnp.arange(rpi.shape[0], dtype=jnp.int32)
+    span_lens = jnp.maximum(extend, 0)
+    span_ends = jnp.cumsum(span_lens)
+    token_rows = _token_rows(span_ends, num_tokens)
+    if padding == "negative":
+        padding_row, reserved_in_use = rpi < 0, jnp.zeros_like(rpi, bool)
+    elif padding == "reserved":
+        # A padding row may own tokens that write the padding slot (CUDA-graph padding); a request in row 0 has a
+        # cached prefix or writes a real slot.
+        writes_real_slot = _segment_any(
+            (batch.out_cache_loc > _RESERVED_SLOT) & (token_rows >= 0), token_rows, rpi.shape[0]
+        )
+        padding_row = rpi == 0
+        reserved_in_use = padding_row & ((prefix > 0) | writes_real_slot)
+    else:
+        padding_row, reserved_in_use = jnp.zeros_like(rpi, bool), jnp.zeros_like(rpi, bool)
+    lower = 1 if padding == "reserved" else 0
+    checks = [  # (problem where bad, field, value, limit); the first bad one names the row
+        (reserved_in_use, InputProblem.RESERVED_ROW, InputField.REQ_POOL_INDICES, rpi, -1),
+        (~padding_row & ((rpi < lower) | (rpi >= table_rows)), InputProblem.OUT_OF_RANGE, InputField.REQ_POOL_INDICES, rpi, table_rows),
+        (~padding_row & (prefix < 0), InputProblem.NEGATIVE, InputField.PREFIX_LENS, prefix, -1),
+        (~padding_row & (extend < 0), InputProblem.NEGATIVE, InputField.EXTEND_LENS, extend, -1),
+        (~padding_row & (prefix + extend > context_len), InputProblem.PAST_CONTEXT, InputField.EXTEND_LENS, prefix + extend, context_len),
+        (~padding_row & (span_ends > num_tokens), InputProblem.PAST_TOKENS, InputField.EXTEND_LENS, span_ends, num_tokens),
+    ]  # fmt: skip
+    problem, field, value, limit = (jnp.zeros_like(rpi) for _ in range(4))
+    for bad, p, f, v, lim in reversed(checks):  # reversed: the first listed problem wins
+        problem, field = jnp.where(bad, int(p), problem), jnp.where(bad, int(f), field)
+        value, limit = jnp.where(bad, v, value), jnp.where(bad, lim, limit)
+    active = ~padding_row & (problem == 0)
+    issues = [Issues.of(problem, field, value, limit=limit, entry=r, request=jnp.where(problem == 0, rpi, -1))]
+    if token_ids_width is not None:
+        lens = batch.token_ids_lens
+        bad = active & ((lens < 0) | (lens > token_ids_width))
+        lens_problem = jnp.where(bad, int(InputProblem.OUT_OF_RANGE), 0)
+        issues.append(
+            Issues.of(lens_problem, InputField.TOKEN_IDS_LENS, lens, limit=token_ids_width + 1, entry=r, request=rpi)
+        )
+    return Rows(active=active, span_lens=span_lens, token_rows=token_rows, issues=Issues.concat(issues))
+
+
+def _token_rows(span_ends: jax.Array, num_tokens: int) -> jax.Array:
+    """i32[T]: the row whose span holds each token entry, -1 past the last span."""
+    t = jnp.arange(num_tokens, dtype=jnp.int32)
+    row = jnp.searchsorted(span_ends, t, side="right", method="compare_all").astype(jnp.int32)
+    return jnp.where(row < span_ends.shape[0], row, -1)
+
+
+def _segment_any(flags: jax.Array, segments: jax.Array, num_segments: int) -> jax.Array:
+    """bool[num_segments]: whether any flag of each segment id is set (ids < 0 are ignored)."""
+    hits = (
+        jnp.zeros((num_segments,), jnp.int32)
+        .at[jnp.where(segments >= 0, segments, num_segments)]
+        .max(flags.astype(jnp.int32), mode="drop")
+    )
+    return hits > 0
+
+
+def slot_problems(slots: jax.Array, live: jax.Array, *, num_slots: int, reserved_ok: bool = False) -> jax.Array:
+    """i32 problem per slot (0 = fine) of ``live`` entries: outside ``[0, num_slots)``, or the reserved slot 0."""
+    out_of_range = live & ((slots < 0) | (slots >= num_slots))
+    reserved = live & (slots == _RESERVED_SLOT) & (not reserved_ok)
+    return jnp.where(
+        out_of_range, int(InputProblem.OUT_OF_RANGE), jnp.where(reserved, int(InputProblem.RESERVED_SLOT), 0)
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class Group:
+    """One group's launch inputs after the checks, with its bad values masked out.
+
+    Attributes:
+      verify_plan, write_plan: the plans, bad slots skipped (slot 0) and bad predecessors unreachable (0).
+      out_cache_loc: i32[T] the group's write slots; bad ones and those of rows that are not requests are -1.
+      entry_requests: i32[2, verify_capacity] each verify entry's request row and batch row (rows' context).
+      issues: this group's INVALID_INPUT candidates (the FULL group's include the rows').
+    """
+
+    verify_plan: _plans.VerifyPlan
+    write_plan: _plans.WritePlan
+    out_cache_loc: jax.Array
+    entry_requests: jax.Array
+    issues: Issues
+
+
+def check_group(
+    batch,
+    rows: Rows,
+    *,
+    window: int,
+    num_slots: int,
+    full_num_slots: int,
+    verify_capacity: int,
+    token_pool: jax.Array | None,
+    token_offset: int,
+) -> Group:
+    """Builds one group's plans from the checked rows, and checks the slots they and the tokens name.
+
+    The FULL group (``window == 0``) checks ``req_to_token`` and ``out_cache_loc`` against ``[1, num_slots)``; the
+    SWA group checks what ``full_to_swa_index_mapping`` makes of them against its own ``num_slots`` (slot 0 there
+    means "not resident", as in SGLang).
+    """
+    rpi = batch.req_pool_indices
+    table = batch.req_to_token
+    lut = batch.full_to_swa_index_mapping if window else None
+    valid_lens = None
+    if token_pool is not None:
+        valid_lens = jnp.clip(batch.token_ids_lens, 0, token_pool.shape[1])
+    verify_plan, write_plan, plan_rows = _plans.build(
+        jnp.where(rows.active, rpi, 0),
+        batch.prefix_lens,
+        batch.extend_lens,
+        table,
+        active=rows.active,
+        span_lens=rows.span_lens,
+        verify_capacity=verify_capacity,
+        write_req_capacity=rpi.shape[0],
+        swa_window_size=window,
+        full_to_swa_index_mapping=lut,
+        req_to_verify_expected_tokens=token_pool,
+        expected_tokens_valid_lens=valid_lens,
+        kv_token_id_vs_position_offset=token_offset,
+    )
+    entries = jnp.arange(verify_capacity, dtype=jnp.int32)
+    used = (entries < verify_plan.num_valid[0]) & (verify_plan.enable[0] != 0)
+    batch_row = plan_rows.verify_rows
+    request = jnp.where(used, rpi[jnp.maximum(batch_row, 0)], -1)
+    raw_problem = slot_problems(plan_rows.raw_slots, used, num_slots=full_num_slots)
+    raw_prev_bad = (
+        used & (plan_rows.raw_prev != -1) & ((plan_rows.raw_prev < 0) | (plan_rows.raw_prev >= full_num_slots))
+    )
+
+    t = jnp.arange(batch.out_cache_loc.shape[0], dtype=jnp.int32)
+    tok_row = rows.token_rows
+    tok_live = (tok_row >= 0) & rows.active[jnp.maximum(tok_row, 0)]
+    loc = batch.out_cache_loc
+    loc_problem = slot_problems(loc, tok_live & (loc >= 0), num_slots=full_num_slots)
+    tok_request = jnp.where(tok_live, rpi[jnp.maximum(tok_row, 0)], -1)
+    position = (
+        batch.prefix_lens[jnp.maximum(tok_row, 0)]
+        + t
+        - (jnp.cumsum(rows.span_lens) - rows.span_lens)[jnp.maximum(tok_row, 0)]
+    )
+    full_loc = jnp.where(tok_live & (loc_problem == 0), loc, -1)
+
+    if lut is None:
+        issues = Issues.concat(
+            [
+                rows.issues,
+                Issues.of(loc_problem, InputField.OUT_CACHE_LOC, loc, limit=num_slots, slot=loc, position=position, entry=t, request=tok_request),
+                Issues.of(raw_problem, InputField.REQ_TO_TOKEN, plan_rows.raw_slots, limit=num_slots, slot=plan_rows.raw_slots, position=verify_plan.expected_positions, entry=batch_row, request=request),
+            ]
+        )  # fmt: skip
+        skip, unreachable, out_cache_loc = raw_problem != 0, raw_prev_bad, full_loc
+    else:
+        # What the LUT makes of slots the FULL group accepted; slots it rejected are skipped here without a row.
+        swa_slot, swa_prev = verify_plan.slot_indices, verify_plan.prev_slot_indices
+        slot_bad = used & (raw_problem == 0) & ((swa_slot < 0) | (swa_slot >= num_slots))
+        prev_bad = used & (swa_prev != -1) & ((swa_prev < 0) | (swa_prev >= num_slots))
+        swa_loc = _plans.translate(full_loc, lut)
+        loc_bad = (full_loc >= 0) & ((swa_loc < 0) | (swa_loc >= num_slots))
+        lut_field = InputField.FULL_TO_SWA_INDEX_MAPPING
+        out_of_range = int(InputProblem.OUT_OF_RANGE)
+        issues = Issues.concat(
+            [
+                Issues.of(jnp.where(loc_bad, out_of_range, 0), lut_field, swa_loc, limit=num_slots, slot=full_loc, position=position, entry=t, request=tok_request),
+                Issues.of(jnp.where(slot_bad, out_of_range, 0), lut_field, swa_slot, limit=num_slots, slot=plan_rows.raw_slots, position=verify_plan.expected_positions, entry=batch_row, request=request),
+            ]
+        )  # fmt: skip
+        skip, unreachable = (raw_problem != 0) | slot_bad, raw_prev_bad | prev_bad
+        out_cache_loc = jnp.where(loc_bad, -1, swa_loc)
+    verify_plan = dataclasses.replace(
+        verify_plan,
+        slot_indices=jnp.where(skip, _RESERVED_SLOT, verify_plan.slot_indices),
+        prev_slot_indices=jnp.where(unreachable, 0, verify_plan.prev_slot_indices),
+    )
+    return Group(
+        verify_plan=verify_plan,
+        write_plan=write_plan,
+        out_cache_loc=out_cache_loc,
+        entry_requests=jnp.stack([request, batch_row]),
+        issues=issues,
+    )
