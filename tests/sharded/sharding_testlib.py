@@ -95,7 +95,7 @@ def shard_body(canary_ops, state, k, v, new_k, new_v, batch):
     """One device's step: HEAD, the KV write, TAIL. ``canary_ops`` is a ShardedKvCanary or a KvCanary."""
     state = canary_ops.before_forward(state, batch)
     k, v = write_kv(k, batch.out_cache_loc, new_k), write_kv(v, batch.out_cache_loc, new_v)
-    state = canary_ops.after_forward(state, batch, CANARY.kv_sources(full_k=k, full_v=v))
+    state = canary_ops.after_forward(state, batch, CANARY.kv_sources(full_k=k))
     return state, k, v
 
 
@@ -124,7 +124,7 @@ def sharded_sweep(lay: kc.MeshLayout):
 
     def shard_sweep(state, k, v, plan):
         k, v, plan = kc.local((k, v, plan), d)
-        return sharded.sweep(state, plan, CANARY.kv_sources(full_k=k, full_v=v))
+        return sharded.sweep(state, plan, CANARY.kv_sources(full_k=k))
 
     specs = (sharded.state_spec, kv_spec(lay), kv_spec(lay), d)
     return jax.jit(sharded.shard_map(shard_sweep, in_specs=specs, out_specs=specs[0]), donate_argnums=(0,))
