@@ -4,6 +4,7 @@ The public surface, by tier (see ``__all__``): wrap a decode loop; run it on a m
 plans; read reports; constants. ``kvcanary_jax.testing`` holds what a user's test suite needs.
 """
 
+from kvcanary_jax import testing as testing  # the test tier, as kvcanary_jax.testing (numpy.testing's manner)
 from kvcanary_jax.core import (
     ANCHOR_HASH,
     CANARY_CHAIN_ANCHOR,
@@ -16,6 +17,8 @@ from kvcanary_jax.core import (
     CanaryMode,
     FailReason,
     Half,
+    InputField,
+    InputProblem,
     KvCanaryViolationError,
     Phase,
     PoolKind,
@@ -117,6 +120,8 @@ __all__ = [
     "CanaryMode",
     "FailReason",
     "Half",
+    "InputField",
+    "InputProblem",
     "Phase",
     "PoolKind",
     "RealKvHashMode",

@@ -13,6 +13,8 @@ from kvcanary_jax.core._constants import CanaryLaunchTag as CanaryLaunchTag
 from kvcanary_jax.core._constants import CanaryMode as CanaryMode
 from kvcanary_jax.core._constants import FailReason as FailReason
 from kvcanary_jax.core._constants import Half as Half
+from kvcanary_jax.core._constants import InputField as InputField
+from kvcanary_jax.core._constants import InputProblem as InputProblem
 from kvcanary_jax.core._constants import Phase as Phase
 from kvcanary_jax.core._constants import PoolKind as PoolKind
 from kvcanary_jax.core._constants import RealKvHashMode as RealKvHashMode
@@ -45,6 +47,8 @@ __all__ = [
     "CanaryMode",
     "FailReason",
     "Half",
+    "InputField",
+    "InputProblem",
     "KvCanaryViolationError",
     "Phase",
     "PoolKind",

@@ -6,6 +6,7 @@ import dataclasses
 
 from kvcanary_jax.core._constants import CanaryMode, RealKvHashMode
 from pallas_kernels import backend as backends
+from pallas_kernels import checks
 
 _MODE_ALIASES = {"none": CanaryMode.OFF}  # SGLang spells "off" as --kv-canary none
 
@@ -31,7 +32,7 @@ def parse_real_kv_hash_mode(mode) -> RealKvHashMode:
             return RealKvHashMode[mode.strip().upper()]
         except KeyError:
             pass
-    elif isinstance(mode, int) and not isinstance(mode, bool):
+    elif checks.is_int(mode):
         try:
             return RealKvHashMode(mode)
         except ValueError:
@@ -40,9 +41,12 @@ def parse_real_kv_hash_mode(mode) -> RealKvHashMode:
     raise ValueError(f"real_kv_hash_mode must be one of {names} (or a RealKvHashMode); got real_kv_hash_mode={mode!r}")
 
 
-def _check_int(name: str, value, minimum: int) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+def _check_int(config, name: str, minimum: int) -> None:
+    """Field ``name`` must be an integer (Python or numpy) >= ``minimum``; it is stored as a Python int."""
+    value = getattr(config, name)
+    if not checks.is_int(value) or value < minimum:
         raise ValueError(f"{name} must be an int >= {minimum}; got {name}={value!r}")
+    object.__setattr__(config, name, int(value))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,9 +80,9 @@ class CanaryConfig:
     def __post_init__(self):
         object.__setattr__(self, "mode", _parse_mode(self.mode))
         object.__setattr__(self, "real_kv_hash_mode", parse_real_kv_hash_mode(self.real_kv_hash_mode))
-        _check_int("ring_capacity", self.ring_capacity, 1)
+        _check_int(self, "ring_capacity", 1)
         for name in ("sweep_interval", "stats_every_n_steps", "health_check_every_n_steps", "check_lag_steps"):
-            _check_int(name, getattr(self, name), 0)
+            _check_int(self, name, 0)
         for name in ("enable_write_input_assert", "enable_verify_token_assert"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool; got {name}={getattr(self, name)!r}")

@@ -87,11 +87,13 @@ def explain(v, *, written_step: int | None = None) -> list[str]:
         entry = f" (batch entry {v.batch_entry})" if v.batch_entry is not None else ""
         expected = v.expected_position if v.expected_position is not None else "unknown"
         lines.append(f"  request: {request}{entry} position expected={expected} found={v.position}")
-    if v.fail_reason & FailReason.WRITE_TOKEN_MISMATCH or (not v.fail_reason & _WRITE and v.expected_token != -1):
+    if v.fail_reason & (FailReason.INVALID_INPUT | FailReason.SHARD_CHAIN_MISMATCH):
+        pass  # their token fields hold other things (the value received; the consensus's token)
+    elif v.fail_reason & FailReason.WRITE_TOKEN_MISMATCH or (not v.fail_reason & _WRITE and v.expected_token != -1):
         lines.append(f"  token: expected={v.expected_token} found={v.stored_token}")
     elif v.fail_reason & _WRITE:
         lines.append(f"  token: found={v.stored_token} (no token mismatch)")
-    elif not v.fail_reason & (FailReason.INVALID_INPUT | FailReason.SHARD_CHAIN_MISMATCH):
+    else:
         lines.append(f"  token: found={v.stored_token} (token not checked)")
     if written_step is not None:
         lines.append(f"  written at step {written_step}")

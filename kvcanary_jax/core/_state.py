@@ -15,6 +15,7 @@ import numpy as np
 
 from kvcanary_jax.core import _constants as constants
 from kvcanary_jax.core._config import CanaryConfig
+from pallas_kernels import checks
 
 
 @jax.tree_util.register_dataclass
@@ -40,8 +41,9 @@ class ViolationLog:
         Raises:
           ValueError: if ``ring_capacity`` is not a positive int.
         """
-        if not isinstance(ring_capacity, int) or isinstance(ring_capacity, bool) or ring_capacity <= 0:
+        if not checks.is_int(ring_capacity) or ring_capacity <= 0:
             raise ValueError(f"ViolationLog ring_capacity must be a positive int; got {ring_capacity=}")
+        ring_capacity = int(ring_capacity)
         return cls(
             violation_ring=jnp.zeros((ring_capacity, constants.VIOLATION_FIELDS, 2), jnp.uint32),
             violation_write_index=jnp.zeros((1,), jnp.int32),
@@ -89,20 +91,21 @@ class CanaryDeviceState:
         """
         if not isinstance(config, CanaryConfig):
             raise TypeError(f"config must be a CanaryConfig; got {type(config).__name__}")
-        if not isinstance(num_tags, int) or num_tags <= 0:
+        if not checks.is_int(num_tags) or num_tags <= 0:
             raise ValueError(f"CanaryDeviceState num_tags must be a positive int; got {num_tags=}")
+        num_tags = int(num_tags)
         pool = None
         if config.enable_verify_token_assert:
             for name, value in (
                 ("req_to_token_alloc_size", req_to_token_alloc_size),
                 ("max_context_len", max_context_len),
             ):
-                if not isinstance(value, int) or value <= 0:
+                if not checks.is_int(value) or value <= 0:
                     raise ValueError(
                         f"CanaryDeviceState.allocate needs a positive {name} when "
                         f"config.enable_verify_token_assert is on; got {name}={value!r}"
                     )
-            pool = jnp.full((req_to_token_alloc_size, max_context_len), -1, jnp.int32)
+            pool = jnp.full((int(req_to_token_alloc_size), int(max_context_len)), -1, jnp.int32)
         return cls(
             violation_log=ViolationLog.allocate(ring_capacity=config.ring_capacity),
             kernel_run_counters=jnp.zeros((num_tags, 2), jnp.uint32),
@@ -118,8 +121,9 @@ class CanaryDeviceState:
 
 def allocate_canary_buffer(num_slots: int) -> jax.Array:
     """A zeroed canary buffer ``u32[num_slots, 4, 2]``: one 32-byte record per KV slot (slot 0 is padding)."""
-    if not isinstance(num_slots, int) or isinstance(num_slots, bool) or num_slots <= 0:
+    if not checks.is_int(num_slots) or num_slots <= 0:
         raise ValueError(f"num_slots must be a positive int; got {num_slots=}")
+    num_slots = int(num_slots)
     return jnp.zeros((num_slots, constants.CANARY_FIELDS_PER_SLOT, 2), jnp.uint32)
 
 

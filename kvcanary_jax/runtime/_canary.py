@@ -83,6 +83,53 @@ class KvCanary:
         phases = tuple(p for p in phases if p is not Phase.SWEEP or self.config.sweep_interval > 0)
         return tuple(sorted(g.tag(p, h) for g in self.groups for p in phases for h in self.halves))
 
+    def coverage(self, sources: _pool.KvSources | None = None) -> str:
+        """What this configuration checks and what it does not, in a few lines (for logs and reviews).
+
+        Args:
+          sources: the :class:`KvSources` given to ``after_forward``; with them, the real-KV line counts the bytes
+            folded per slot out of each source's token row.
+        """
+        if not self.enabled:
+            return "canary off: nothing is checked"
+        c, halves = self.config, "+".join(h.name for h in self.halves)
+        groups = ", ".join(
+            f"{g.name.upper()}" + (f" (last {g.window} positions)" if g.window else "") for g in self.groups
+        )
+        phases = "HEAD and TAIL" + (f", SWEEP every {c.sweep_interval} steps" if c.sweep_interval else "")
+        lines = [
+            f"launches: {phases}; halves {halves}; groups {groups}; padding convention '{self.pool.padding}'",
+            "chain and position: every cached position of every batch request, at HEAD and TAIL (and idle "
+            "prefix-cached slots at SWEEP, if the sweep runs)",
+            "batch inputs: out-of-range, negative and reserved values become INVALID_INPUT rows",
+        ]
+        mode = c.real_kv_hash_mode
+        if mode is RealKvHashMode.NONE:
+            lines.append(
+                "KV bytes: not checked (real_kv_hash_mode='none'): corrupted KV is caught only if it breaks a chain"
+            )
+        else:
+            how = "the first 16 bytes" if mode is RealKvHashMode.PARTIAL else "read_bytes (all by default)"
+            lines.append(
+                f"KV bytes ({mode.name}): {how} of each slot's token row in each real-KV source, at TAIL/SWEEP"
+            )
+            for g in self.groups if sources is not None else ():
+                for h in self.halves:
+                    for i, src in enumerate(sources.get(g, h)):
+                        folded = 16 if mode is RealKvHashMode.PARTIAL else src.read_bytes
+                        lines.append(
+                            f"  {g.name}_{h.name.lower()}[{i}]: {folded} of {src.num_bytes_per_token} bytes per slot "
+                            f"folded; other layers and bytes are not covered"
+                        )
+        lines.append(
+            "written tokens vs an oracle: " + ("on" if c.enable_write_input_assert else "off (token swaps go unseen)")
+        )
+        lines.append(
+            "cached tokens vs the requests' history: "
+            + ("on" if c.enable_verify_token_assert else "off (report lines say 'token not checked')")
+        )
+        return "\n".join(lines)
+
     def init_state(self) -> CanaryState:
         """Allocates every buffer once. The chain-position assert starts off (warm-up); see ``mark_init_finished``."""
         device = CanaryDeviceState.allocate(

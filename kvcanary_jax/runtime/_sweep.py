@@ -100,6 +100,7 @@ def pack_entries(entries: SweepEntries, capacity: int, *, what: str = "sweep") -
       ValueError: if there are more entries than ``capacity``.
     """
     n = len(entries.slots)
+    _check_entries(entries, capacity, what)
     if n > capacity:
         raise ValueError(
             f"{what}: {n} entries exceed the sweep capacity of {capacity} (the group's slot count); a slot must "
@@ -119,3 +120,27 @@ def pack_entries(entries: SweepEntries, capacity: int, *, what: str = "sweep") -
         num_valid=jnp.full((1,), n, jnp.int32),
         enable=jnp.ones((1,), jnp.int32),
     )
+
+
+def _check_entries(entries: SweepEntries, num_slots: int, what: str) -> None:
+    """Host checks: slots in ``[1, num_slots)``, predecessors -1, 0 or a slot, positions >= 0, equal lengths."""
+    slots, positions, prev = (np.asarray(x) for x in entries)
+    if not (len(slots) == len(positions) == len(prev)):
+        raise ValueError(
+            f"{what}: SweepEntries fields must have one length; got slots={len(slots)}, positions={len(positions)}, "
+            f"prev_slots={len(prev)}"
+        )
+    problems = {
+        "slots": (slots < 1) | (slots >= num_slots),
+        "prev_slots": (prev < -1) | (prev >= num_slots),
+        "positions": positions < 0,
+    }
+    for name, bad in problems.items():
+        if bad.any():
+            i = int(np.flatnonzero(bad)[0])
+            value = (slots, prev, positions)[("slots", "prev_slots", "positions").index(name)][i]
+            raise ValueError(
+                f"{what}: SweepEntries.{name}[{i}] = {int(value)} is out of range (slots are 1..{num_slots - 1}; slot 0 "
+                "is the reserved padding slot; prev_slots may also be -1 for a chain head or 0 for unreachable; "
+                "positions are >= 0)"
+            )

@@ -3,6 +3,7 @@
 import dataclasses
 
 import numpy as np
+import pytest
 
 from kvcanary_jax import CanaryLaunchTag, FailReason, read_violations, testing
 from kvcanary_jax.runtime import _sweep as sweep
@@ -52,9 +53,26 @@ def test_swa_translation_drops_evicted_slots_and_unlinks_their_successors():
 
 
 def test_pack_entries_pads_to_the_static_capacity():
-    plan = sweep.pack_entries(_walk(_tree()), 8)
-    assert plan.slot_indices.shape == (8,) and int(plan.num_valid[0]) == 6 and int(plan.enable[0]) == 1
-    assert plan.expected_tokens.tolist() == [-1] * 8 and plan.slot_indices.tolist()[6:] == [0, 0]
+    plan = sweep.pack_entries(_walk(_tree()), 10)
+    assert plan.slot_indices.shape == (10,) and int(plan.num_valid[0]) == 6 and int(plan.enable[0]) == 1
+    assert plan.expected_tokens.tolist() == [-1] * 10 and plan.slot_indices.tolist()[6:] == [0] * 4
+
+
+@pytest.mark.parametrize(
+    ("field", "index", "value", "pattern"),
+    [
+        ("slots", 2, 10, r"SweepEntries.slots\[2\] = 10 is out of range \(slots are 1..9"),
+        ("slots", 0, 0, r"SweepEntries.slots\[0\] = 0 .* slot 0 is the reserved padding slot"),
+        ("prev_slots", 3, -5, r"SweepEntries.prev_slots\[3\] = -5 is out of range"),
+        ("positions", 1, -1, r"SweepEntries.positions\[1\] = -1 is out of range"),
+    ],
+)
+def test_pack_entries_refuses_slots_the_pool_does_not_have(field, index, value, pattern):
+    entries = _walk(_tree())._asdict()
+    entries[field] = entries[field].copy()
+    entries[field][index] = value
+    with pytest.raises(ValueError, match=pattern):
+        sweep.pack_entries(sweep.SweepEntries(**entries), 10, what="FULL sweep")
 
 
 def test_device_sweep_over_a_flat_entry_list():
