@@ -264,8 +264,7 @@ def write(
     """
     num_tokens, num_reqs, num_slots = out_cache_loc.shape[0], seed_slot_indices.shape[0], canary_buf.shape[0]
     if num_tokens == 0 or num_reqs == 0:
-        empty = (jnp.zeros((num_tokens, 2), jnp.uint32),) * 2 + (jnp.zeros((num_tokens,), bool),) * 2
-        return canary_buf, reference.ChainOut(*empty)
+        return canary_buf, reference.empty_chain(num_tokens)
     config = config or heuristic(num_tokens)
     start, count = reference.request_spans(write_offsets, num_valid_reqs, num_tokens)
     seed_hash, seed_position, check = reference.chain_seeds(
