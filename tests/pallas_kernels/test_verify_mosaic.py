@@ -8,13 +8,13 @@ import functools
 import chex
 import jax
 import jax.numpy as jnp
-import kernel_cases as cases
 import numpy as np
 import pytest
 
 import kvcanary_jax as kc
 from pallas_kernels import realkv
 from pallas_kernels.verify import api, pallas_mosaic
+from tests.pallas_kernels import kernel_cases as cases
 
 NUM_SLOTS = 160
 

@@ -9,7 +9,6 @@ import functools
 import chex
 import jax
 import jax.numpy as jnp
-import kernel_cases as cases
 import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -18,6 +17,7 @@ import kvcanary_jax as kc
 from pallas_kernels import realkv
 from pallas_kernels.verify import api as verify_api
 from pallas_kernels.write import api, pallas_mosaic
+from tests.pallas_kernels import kernel_cases as cases
 
 NUM_SLOTS, NUM_REQS, MAX_LEN = 48, 5, 8
 
