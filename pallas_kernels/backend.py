@@ -43,7 +43,6 @@ def dispatch(
     xla: Callable,
     triton: Callable,
     mosaic: Callable,
-    unreadable: str | None = None,
 ) -> Callable:
     """The op's implementation on ``backend``, a function of the op's array arguments (pytrees allowed).
 
@@ -51,19 +50,15 @@ def dispatch(
       backend: one of ``BACKENDS``.
       xla: the reference, ``xla(*args)``.
       triton, mosaic: the kernels, ``triton(*args, interpret=bool)``; all three return identical pytrees.
-      unreadable: why the kernels cannot serve these inputs (e.g. a KV dtype), or None. ``"auto"`` then uses the
-        reference; an explicit kernel backend raises it.
 
     Raises:
       ValueError: an unknown backend name.
-      NotImplementedError: a kernel backend with ``unreadable`` inputs. ``"pallas"`` lowered for a platform
-        without Pallas kernels raises it when lowered (or, run eagerly, when called).
+      NotImplementedError: ``"pallas"`` lowered for a platform without Pallas kernels, when lowered (or, run
+        eagerly, when called).
     """
     validate(backend)
-    if backend == "xla" or (backend == "auto" and unreadable):
+    if backend == "xla":
         return xla
-    if unreadable:
-        raise NotImplementedError(f"{unreadable}; backend={backend!r} cannot read it, use backend='xla'")
     if backend == "interpret":
         return functools.partial(triton, interpret=True)
     if backend == "interpret_tpu":

@@ -40,22 +40,6 @@ def kv_rows(data: jax.Array, *, interpret: bool) -> jax.Array:
     return rows
 
 
-def unreadable_source(sources, arg: str = "real_kv_sources") -> str | None:
-    """Why the Pallas kernels (Triton and Mosaic) cannot read one of ``sources``, or None if they can read all.
-
-    Both reinterpret a source's bytes as u32 words, from 1/2/4/8-byte integer or float elements.
-    """
-    for i, src in enumerate(sources):
-        dtype = jnp.dtype(src.data.dtype)
-        numeric = jnp.issubdtype(dtype, jnp.integer) or jnp.issubdtype(dtype, jnp.floating)
-        if not numeric or dtype.itemsize not in _UINT:
-            return (
-                f"the Pallas kernels read real-KV sources of 1/2/4/8-byte integer or float dtypes; got "
-                f"{arg}[{i}].data of dtype {dtype}"
-            )
-    return None
-
-
 def load_record(buf_ref, slots: jax.Array) -> records.Record:
     """Gathers the records of in-range ``slots`` (i32[block]) from ``u32[num_slots, 8]``."""
     return tuple((buf_ref[slots, 2 * f], buf_ref[slots, 2 * f + 1]) for f in range(layout.CANARY_FIELDS_PER_SLOT))

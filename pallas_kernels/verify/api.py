@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import backend as backends
-from pallas_kernels import checks, kernel_io, layout, realkv
+from pallas_kernels import checks, layout, realkv
 from pallas_kernels.verify import pallas_mosaic, pallas_triton, reference
 
 
@@ -35,8 +35,7 @@ def verify(
 
     Raises:
       ValueError, TypeError: for a wrong shape, dtype or static argument (backend name included), naming it.
-      NotImplementedError: ``"pallas"`` lowered for a platform other than GPU or TPU, or a kernel backend with a
-        KV dtype it cannot read as words.
+      NotImplementedError: ``"pallas"`` lowered for a platform other than GPU or TPU.
     """
     entries = {
         "slot_indices": slot_indices,
@@ -64,7 +63,5 @@ def verify(
     def mosaic(*args, interpret):
         return pallas_mosaic.verify_bits(*args[:-1], real_kv_sources=args[-1], interpret=interpret, **static)
 
-    run = backends.dispatch(
-        backend, xla=xla, triton=triton, mosaic=mosaic, unreadable=kernel_io.unreadable_source(sources)
-    )
+    run = backends.dispatch(backend, xla=xla, triton=triton, mosaic=mosaic)
     return run(canary_buf, slot_indices, expected_tokens, expected_positions, prev_slot_indices, num_active, sources)

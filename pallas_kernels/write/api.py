@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import backend as backends
-from pallas_kernels import checks, kernel_io, layout, realkv, records
+from pallas_kernels import checks, layout, realkv, records
 from pallas_kernels.write import pallas_mosaic, pallas_triton, reference, store
 
 
@@ -53,8 +53,7 @@ def write(
 
     Raises:
       ValueError, TypeError: for a wrong shape, dtype or static argument (backend name included), naming it.
-      NotImplementedError: ``"pallas"`` lowered for a platform other than GPU or TPU, or a kernel backend with a
-        KV dtype it cannot read as words.
+      NotImplementedError: ``"pallas"`` lowered for a platform other than GPU or TPU.
     """
     num_slots = checks.canary_buffer(canary_buf)
     checks.array("seed_slot_indices", seed_slot_indices, dtype=jnp.int32, ndim=1)
@@ -82,9 +81,7 @@ def write(
             *args[:-1], real_kv_sources=args[-1], real_kv_hash_mode=real_kv_hash_mode, interpret=interpret
         )
 
-    run = backends.dispatch(
-        backend, xla=xla, triton=triton, mosaic=mosaic, unreadable=kernel_io.unreadable_source(sources)
-    )
+    run = backends.dispatch(backend, xla=xla, triton=triton, mosaic=mosaic)
     return run(
         canary_buf,
         write_offsets,

@@ -86,19 +86,6 @@ def test_x64_with_eight_byte_sources():
         _assert_same(buf, plan, n, kv, mode=2, check=True)
 
 
-def test_unreadable_dtype_raises():
-    data = jnp.zeros((NUM_SLOTS, 2), jnp.complex64)
-    with pytest.raises(NotImplementedError, match="complex64"):
-        api.verify(
-            jnp.zeros((NUM_SLOTS, 4, 2), jnp.uint32),
-            *([jnp.ones((4,), jnp.int32)] * 4),
-            jnp.int32(4),
-            real_kv_sources=(realkv.RealKvSource(data),),
-            real_kv_hash_mode=2,
-            backend="interpret_tpu",
-        )
-
-
 def test_pallas_backend_off_gpu_and_tpu_raises():
     if jax.default_backend() != "cpu":
         pytest.skip("runs a kernel natively here")
