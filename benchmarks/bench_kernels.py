@@ -1,4 +1,4 @@
-"""Verify and write throughput, Pallas kernels vs the xla path, on the local GPU.
+"""Verify and write throughput, Pallas kernels vs the xla path, on the local GPU (Triton) or TPU (Mosaic).
 
 Usage: python benchmarks/bench_kernels.py [--out DIR] [--deadline SECONDS] [--quick]
 
@@ -31,8 +31,10 @@ from jax import lax
 
 import kvcanary_jax as kc
 from pallas_kernels.verify import api as verify_api
+from pallas_kernels.verify import pallas_mosaic as verify_mosaic
 from pallas_kernels.verify import pallas_triton as verify_triton
 from pallas_kernels.write import api as write_api
+from pallas_kernels.write import pallas_mosaic as write_mosaic
 from pallas_kernels.write import pallas_triton as write_triton
 from pallas_kernels.write import reference as write_reference
 
@@ -72,6 +74,9 @@ def copy_bandwidth(num_bytes: int = 4 << 30) -> float:
 
 
 def verify_step(backend: str, mode: int, config=None):
+    """One verify; a ``config`` runs the platform's kernel module directly with it (a variant)."""
+    kernels = verify_mosaic if isinstance(config, verify_mosaic.Config) else verify_triton
+
     def step(active, a):
         buf, slots, tokens, positions, prevs, sources = a
         if config is None:
@@ -87,7 +92,7 @@ def verify_step(backend: str, mode: int, config=None):
                 backend=backend,
             )
         else:
-            bits = verify_triton.verify_bits(
+            bits = kernels.verify_bits(
                 buf,
                 slots,
                 tokens,
@@ -106,15 +111,16 @@ def verify_step(backend: str, mode: int, config=None):
 
 
 def write_step(backend: str, mode: int, config=None):
+    """One write; a ``config`` runs the platform's kernel module directly with it (a variant)."""
+    kernels = write_mosaic if isinstance(config, write_mosaic.Config) else write_triton
+
     def step(carry, a):
         buf, acc = carry
         *inputs, sources = a
         if config is None:
             buf, chain = write_api.write(buf, *inputs, real_kv_sources=sources, real_kv_hash_mode=mode, backend=backend)
         else:
-            buf, chain = write_triton.write(
-                buf, *inputs, real_kv_sources=sources, real_kv_hash_mode=mode, config=config
-            )
+            buf, chain = kernels.write(buf, *inputs, real_kv_sources=sources, real_kv_hash_mode=mode, config=config)
         # Consume every ChainOut field, as canary_write's ring append does, so the xla path computes them too.
         used = chain.prev_hash[:, 0] ^ chain.expected_position[:, 0]
         used = used ^ chain.position_assert_failed.astype(jnp.uint32) ^ chain.written.astype(jnp.uint32)
@@ -170,7 +176,9 @@ def main() -> None:
     parser.add_argument("--deadline", type=float, default=1e9, help="skip the remaining points after this many s")
     parser.add_argument("--quick", action="store_true", help="small sizes only (a smoke run)")
     parser.add_argument("--sections", nargs="+", default=SECTIONS, choices=SECTIONS, help="which parts to run")
-    parser.add_argument("--backends", nargs="+", help="default: pallas and xla on GPU, interpret and xla elsewhere")
+    parser.add_argument(
+        "--backends", nargs="+", help="default: pallas and xla on GPU and TPU, interpret and xla elsewhere"
+    )
     parser.add_argument("--write-shapes", nargs="+", help="e.g. 256x1 1x4096 (default: all decode/prefill shapes)")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -178,8 +186,9 @@ def main() -> None:
     print(f"device={device.device_kind} jax={jax.__version__} backend={jax.default_backend()}", flush=True)
     table = Table(copy_bandwidth(256 << 20 if args.quick else 4 << 30))
     print(f"copy bandwidth {table.copy_bw / 1e9:.0f} GB/s (read + write)", flush=True)
-    on_gpu = jax.default_backend() == "gpu"
-    backends = args.backends or (("pallas", "xla") if on_gpu else ("interpret", "xla"))
+    # "pallas" is the platform's own kernels: Triton on GPU, Mosaic on TPU (pallas_kernels.backend).
+    on_gpu, on_tpu = jax.default_backend() == "gpu", jax.default_backend() == "tpu"
+    backends = args.backends or (("pallas", "xla") if on_gpu or on_tpu else ("interpret", "xla"))
 
     def point(op, shape, kv, backend, step, carry, step_args, num_bytes, note="", **timing):
         if time.perf_counter() - _START > args.deadline:
@@ -318,6 +327,37 @@ def main() -> None:
                 workloads.write_bytes(w.num_entries, 0),
                 "variant",
             )
+
+    if "variants" in args.sections and on_tpu:  # untuned: rows of 128 entries per grid step (issue 17)
+        n = 1 << 20
+        w = workloads.verify(n)
+        for kv, mode in (("none", 0), ("all", 2)):
+            for rows in (1, 2, 4, 8):
+                point(
+                    "verify",
+                    f"n={n}",
+                    kv,
+                    f"pallas rows={rows}",
+                    verify_step("pallas", mode, verify_mosaic.Config(rows=rows)),
+                    w.args[-1],
+                    (*w.args[:-1], w.sources),
+                    workloads.verify_bytes(n, mode),
+                    "variant",
+                )
+        for num_reqs, each in ((256, 1), (1, 4096)):
+            w = workloads.write(num_reqs, each)
+            for rows in (1, 8):
+                point(
+                    "write",
+                    f"{num_reqs}x{each}",
+                    "none",
+                    f"pallas rows={rows}",
+                    write_step("pallas", 0, write_mosaic.Config(rows=rows)),
+                    (w.args[0], jnp.uint32(0)),
+                    (*w.args[1:], w.sources),
+                    workloads.write_bytes(w.num_entries, 0),
+                    "variant",
+                )
 
     header = (
         f"Card: {device.device_kind}; jax {jax.__version__}; {datetime.date.today().isoformat()}; "

@@ -1,10 +1,33 @@
-"""Backend names and their resolution: ``xla`` (pure jnp), ``pallas`` (Triton on GPU), ``interpret``, ``auto``."""
+"""Backend names, and the dispatch of an op to the implementation each names.
+
+* ``"xla"``: the pure-jnp reference; runs anywhere.
+* ``"pallas"``: the platform's own Pallas kernels: Triton on GPU (cuda, rocm), Mosaic on TPU.
+* ``"interpret"``: the Triton kernels in Pallas interpret mode; runs anywhere (CPU tests).
+* ``"interpret_tpu"``: the Mosaic kernels in TPU interpret mode; runs anywhere.
+* ``"auto"``: ``"pallas"`` on GPU and TPU, ``"xla"`` elsewhere.
+
+``"pallas"`` and ``"auto"`` choose by the platform the computation is *lowered* for (``lax.platform_dependent``),
+not by ``jax.default_backend()``: ``jax.export(..., platforms=["tpu"])`` on a CPU host gets the Mosaic kernels,
+and ``platforms=["cuda"]`` the Triton ones. Every branch is traced; only the lowering platform's is lowered.
+"""
 
 from __future__ import annotations
 
-import jax
+import functools
+from collections.abc import Callable
 
-BACKENDS = ("auto", "xla", "pallas", "interpret")
+import jax
+import jax.extend as jex
+from jax import lax
+from jax.interpreters import mlir
+
+BACKENDS = ("auto", "xla", "pallas", "interpret", "interpret_tpu")
+
+_NO_KERNELS = (
+    "backend='pallas' runs the platform's own Pallas kernels and needs a GPU (Triton) or a TPU (Mosaic), but the "
+    "computation is lowered for {platform}; use backend='interpret' (the Triton kernels, interpreted), "
+    "'interpret_tpu' (the Mosaic kernels, interpreted), 'xla' or 'auto'"
+)
 
 
 def validate(backend: str) -> str:
@@ -14,15 +37,60 @@ def validate(backend: str) -> str:
     return backend
 
 
-def resolve(backend: str) -> str:
-    """Maps ``auto`` to ``pallas`` on GPU and ``xla`` elsewhere; an explicit name never falls back."""
+def dispatch(
+    backend: str,
+    *,
+    xla: Callable,
+    triton: Callable,
+    mosaic: Callable,
+) -> Callable:
+    """The op's implementation on ``backend``, a function of the op's array arguments (pytrees allowed).
+
+    Args:
+      backend: one of ``BACKENDS``.
+      xla: the reference, ``xla(*args)``.
+      triton, mosaic: the kernels, ``triton(*args, interpret=bool)``; all three return identical pytrees.
+
+    Raises:
+      ValueError: an unknown backend name.
+      NotImplementedError: ``"pallas"`` lowered for a platform without Pallas kernels, when lowered (or, run
+        eagerly, when called).
+    """
     validate(backend)
-    on_gpu = jax.default_backend() == "gpu"
-    if backend == "auto":
-        return "pallas" if on_gpu else "xla"
-    if backend == "pallas" and not on_gpu:
-        raise NotImplementedError(
-            f"backend='pallas' runs Triton kernels and needs a GPU, but jax's default backend is "
-            f"{jax.default_backend()!r}; use backend='interpret' (same kernels, interpreted), 'xla' or 'auto'"
-        )
-    return backend
+    if backend == "xla":
+        return xla
+    if backend == "interpret":
+        return functools.partial(triton, interpret=True)
+    if backend == "interpret_tpu":
+        return functools.partial(mosaic, interpret=True)
+    gpu, tpu = functools.partial(triton, interpret=False), functools.partial(mosaic, interpret=False)
+    default = xla if backend == "auto" else functools.partial(_no_kernels, xla)
+    return lambda *args: lax.platform_dependent(*args, cuda=gpu, rocm=gpu, tpu=tpu, default=default)
+
+
+# A branch for platforms without Pallas kernels that fails only if it is lowered (or run eagerly): the other
+# platforms' branches are traced as well, so it cannot raise at trace time.
+_no_kernels_p = jex.core.Primitive("kvcanary_no_pallas_kernels")
+_no_kernels_p.multiple_results = True
+_no_kernels_p.def_abstract_eval(lambda *, avals: avals)
+
+
+def _raise_eagerly(*, avals):
+    del avals
+    raise NotImplementedError(_NO_KERNELS.format(platform=repr(jax.default_backend())))
+
+
+def _raise_when_lowered(ctx, *, avals):
+    del avals
+    raise NotImplementedError(_NO_KERNELS.format(platform=" or ".join(map(repr, ctx.module_context.platforms))))
+
+
+_no_kernels_p.def_impl(_raise_eagerly)
+mlir.register_lowering(_no_kernels_p, _raise_when_lowered)
+
+
+def _no_kernels(xla: Callable, *args):
+    """Placeholders shaped like the op's results (taken from the reference), from ``_no_kernels_p``."""
+    leaves, tree = jax.tree.flatten(jax.eval_shape(xla, *args))
+    avals = tuple(jax.core.ShapedArray(x.shape, x.dtype) for x in leaves)
+    return jax.tree.unflatten(tree, _no_kernels_p.bind(avals=avals))

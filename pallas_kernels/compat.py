@@ -1,4 +1,4 @@
-"""Pallas Triton across jax 0.10.2 - 0.12: one ``pallas_call`` wrapper that pins the Triton lowering everywhere."""
+"""Pallas across jax 0.10.2 - 0.12: ``pallas_call`` wrappers that pin the Triton (GPU) or Mosaic (TPU) lowering."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from typing import Any
 import jax
 from jax import export
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as plt
 
 # The custom-call target of a Pallas Triton kernel; jax >= 0.11 exports the name, 0.10.2 hard-codes it.
@@ -70,3 +71,36 @@ def cuda_export_target(device_kind: str = "NVIDIA H200", num_cores: int = 132) -
     target = abstract_device(device_kind=device_kind, num_cores=num_cores, platform="cuda")
     with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("export",), abstract_device=target)):
         yield
+
+
+# ------------------------------------------------------------------------------------------------- Pallas Mosaic (TPU)
+
+# The custom-call target of a Pallas Mosaic (TPU) kernel; jax.export treats it as stable, so no check is disabled.
+MOSAIC_CUSTOM_CALL_TARGET = "tpu_custom_call"
+
+
+def mosaic_call(
+    kernel: Callable[..., None],
+    *,
+    out_shape: Any,
+    grid_spec: pltpu.PrefetchScalarGridSpec,
+    name: str,
+    dimension_semantics: tuple[str, ...],
+    interpret: bool,
+    input_output_aliases: Mapping[int, int] | None = None,
+) -> Callable[..., Any]:
+    """``pl.pallas_call`` of a Mosaic (TPU) kernel; ``interpret=True`` runs it in TPU interpret mode anywhere.
+
+    ``pltpu.InterpretParams`` (jax 0.10.2 - 0.12) interprets the TPU primitives themselves (DMAs, semaphores,
+    SMEM/VMEM), unlike ``interpret=True``, which only the Triton kernels' primitives support (pallas_notes §5).
+    ``input_output_aliases`` counts the scalar-prefetch operands (pallas_notes §3).
+    """
+    return pl.pallas_call(
+        kernel,
+        out_shape=out_shape,
+        grid_spec=grid_spec,
+        input_output_aliases=dict(input_output_aliases or {}),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=dimension_semantics),
+        interpret=pltpu.InterpretParams() if interpret else False,
+        name=name,
+    )

@@ -40,17 +40,6 @@ def kv_rows(data: jax.Array, *, interpret: bool) -> jax.Array:
     return rows
 
 
-def check_kv_dtype(dtype, arg: str) -> None:
-    """Raises ``NotImplementedError`` for dtypes the kernels cannot reinterpret as u32 words."""
-    dtype = jnp.dtype(dtype)
-    numeric = jnp.issubdtype(dtype, jnp.integer) or jnp.issubdtype(dtype, jnp.floating)
-    if not numeric or dtype.itemsize not in _UINT:
-        raise NotImplementedError(
-            f"the Pallas kernels read real-KV sources of 1/2/4/8-byte integer or float dtypes; got {arg} of "
-            f"dtype {dtype}; use backend='xla' for it"
-        )
-
-
 def load_record(buf_ref, slots: jax.Array) -> records.Record:
     """Gathers the records of in-range ``slots`` (i32[block]) from ``u32[num_slots, 8]``."""
     return tuple((buf_ref[slots, 2 * f], buf_ref[slots, 2 * f + 1]) for f in range(layout.CANARY_FIELDS_PER_SLOT))

@@ -175,6 +175,28 @@ def slot_word_offset(source: RealKvSource, slots: jax.Array) -> tuple[jax.Array,
     return slots // source.page_size, (slots % source.page_size) * (source.num_bytes_per_token // 4)
 
 
+def fold_loaded(
+    sources: Sequence[RealKvSource],
+    like: jax.Array,
+    mode: int,
+    load_chunk: Callable[[int, jax.Array], tuple[jax.Array, ...]],
+) -> hash64.U64:
+    """The fold of slots whose chunks ``load_chunk(source_index, chunk)`` returns, shaped like ``like``.
+
+    The arithmetic every backend shares; 0 when the mode is NONE or there are no sources.
+    """
+    zero = hash64.const(0, like)
+    if mode == layout.REAL_KV_NONE or not sources:
+        return zero
+    outer = zero
+    for i, src in enumerate(sources):
+        # int32 bounds: Python-int bounds make the chunk index int64 under x64, which Mosaic cannot lower.
+        bounds = (jnp.int32(0), jnp.int32(num_chunks(src, mode)))
+        one = lax.fori_loop(*bounds, lambda chunk, acc, i=i: fold_chunk(acc, load_chunk(i, chunk)), zero)
+        outer = fold_source_into(outer, one)
+    return outer
+
+
 def fold_slots(
     sources: Sequence[RealKvSource],
     slots: jax.Array,
@@ -186,9 +208,8 @@ def fold_slots(
     ``load_chunk(source_index, row, word, chunk)`` returns the 4 words of one chunk; the default gathers them
     from the jnp word view, and a Pallas kernel passes a ref-loading function instead.
     """
-    zero = hash64.const(0, slots)
     if mode == layout.REAL_KV_NONE or not sources:
-        return zero
+        return hash64.const(0, slots)
     if load_chunk is None:
         views = [as_words(src.data) for src in sources]
 
@@ -196,13 +217,5 @@ def fold_slots(
             base = word + chunk * _WORDS_PER_CHUNK
             return tuple(views[i][row, base + k] for k in range(_WORDS_PER_CHUNK))
 
-    outer = zero
-    for i, src in enumerate(sources):
-        row, word = slot_word_offset(src, slots)
-
-        def body(chunk, acc, i=i, row=row, word=word):
-            return fold_chunk(acc, load_chunk(i, row, word, chunk))
-
-        one = lax.fori_loop(0, num_chunks(src, mode), body, zero)
-        outer = fold_source_into(outer, one)
-    return outer
+    offsets = [slot_word_offset(src, slots) for src in sources]
+    return fold_loaded(sources, slots, mode, lambda i, chunk: load_chunk(i, *offsets[i], chunk))

@@ -8,8 +8,8 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import backend as backends
-from pallas_kernels import checks, kernel_io, layout, realkv
-from pallas_kernels.verify import pallas_triton, reference
+from pallas_kernels import checks, layout, realkv
+from pallas_kernels.verify import pallas_mosaic, pallas_triton, reference
 
 
 def verify(
@@ -28,12 +28,14 @@ def verify(
     """Returns i32[capacity] fail bits (0 = clean) for the first ``num_active`` plan entries.
 
     Shapes: ``canary_buf`` u32[num_slots, 4, 2]; plan arrays i32[capacity]; ``num_active`` i32[].
-    Backends ``"pallas"`` and ``"interpret"`` run the fused kernel of ``pallas_triton`` (natively, or in Pallas
-    interpret mode); ``"xla"`` runs the pure-jnp reference. Both give identical bits.
+    ``"xla"`` runs the pure-jnp reference; ``"pallas"`` the fused kernel of ``pallas_triton`` on GPU or of
+    ``pallas_mosaic`` on TPU, chosen by the platform lowered for; ``"interpret"`` / ``"interpret_tpu"`` run
+    those kernels interpreted, anywhere; ``"auto"`` is ``"pallas"`` on GPU and TPU, else ``"xla"``. All give
+    identical bits.
 
     Raises:
-      ValueError, TypeError: for a wrong shape, dtype or static argument, naming it.
-      NotImplementedError: ``"pallas"`` off-GPU, or a Pallas backend with a KV dtype it cannot read as words.
+      ValueError, TypeError: for a wrong shape, dtype or static argument (backend name included), naming it.
+      NotImplementedError: ``"pallas"`` lowered for a platform other than GPU or TPU.
     """
     entries = {
         "slot_indices": slot_indices,
@@ -46,29 +48,20 @@ def verify(
         checks.array(arg, x, dtype=jnp.int32, ndim=1)
     checks.same_length(entries)
     checks.array("num_active", num_active, dtype=jnp.int32, shape=())
-    real_kv_sources = realkv.validate_sources(real_kv_sources, num_slots=num_slots)
+    sources = realkv.validate_sources(real_kv_sources, num_slots=num_slots)
     checks.static_int("real_kv_hash_mode", real_kv_hash_mode, maximum=layout.REAL_KV_ALL + 1)
     if not isinstance(check_expected_token, bool):
         raise TypeError(f"check_expected_token must be a static bool; got {check_expected_token!r}")
-    name = backends.resolve(backend)
-    kwargs = dict(
-        real_kv_sources=real_kv_sources,
-        real_kv_hash_mode=real_kv_hash_mode,
-        check_expected_token=check_expected_token,
-    )
-    if name == "xla":
-        return reference.verify_bits(
-            canary_buf, slot_indices, expected_tokens, expected_positions, prev_slot_indices, num_active, **kwargs
-        )
-    for i, src in enumerate(kwargs["real_kv_sources"]):
-        kernel_io.check_kv_dtype(src.data.dtype, f"real_kv_sources[{i}].data")
-    return pallas_triton.verify_bits(
-        canary_buf,
-        slot_indices,
-        expected_tokens,
-        expected_positions,
-        prev_slot_indices,
-        num_active,
-        **kwargs,
-        interpret=name == "interpret",
-    )
+    static = dict(real_kv_hash_mode=real_kv_hash_mode, check_expected_token=check_expected_token)
+
+    def xla(*args):
+        return reference.verify_bits(*args[:-1], real_kv_sources=args[-1], **static)
+
+    def triton(*args, interpret):
+        return pallas_triton.verify_bits(*args[:-1], real_kv_sources=args[-1], interpret=interpret, **static)
+
+    def mosaic(*args, interpret):
+        return pallas_mosaic.verify_bits(*args[:-1], real_kv_sources=args[-1], interpret=interpret, **static)
+
+    run = backends.dispatch(backend, xla=xla, triton=triton, mosaic=mosaic)
+    return run(canary_buf, slot_indices, expected_tokens, expected_positions, prev_slot_indices, num_active, sources)

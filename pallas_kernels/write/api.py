@@ -8,8 +8,24 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import backend as backends
-from pallas_kernels import checks, kernel_io, layout, realkv, records
-from pallas_kernels.write import pallas_triton, reference, store
+from pallas_kernels import checks, layout, realkv, records
+from pallas_kernels.write import pallas_mosaic, pallas_triton, reference, store
+
+
+def _xla_write(
+    canary_buf, write_offsets, seed_slot_indices, num_valid_reqs, input_ids, positions, out_cache_loc, flag, sources,
+    *, real_kv_hash_mode,
+):  # fmt: skip
+    """The pure-jnp chain walk, real-KV fold and deterministic store."""
+    if out_cache_loc.shape[0] == 0 or seed_slot_indices.shape[0] == 0:  # nothing to walk, as in the kernels
+        return canary_buf, reference.empty_chain(out_cache_loc.shape[0])
+    chain = reference.write_chain(
+        canary_buf, write_offsets, seed_slot_indices, num_valid_reqs, input_ids, positions, out_cache_loc, flag
+    )
+    slots = records.clamp_slots(out_cache_loc, canary_buf.shape[0])
+    real_kv = realkv.fold_slots(sources, slots, real_kv_hash_mode)
+    new_buf = store.store(canary_buf, out_cache_loc, input_ids, positions, chain.prev_hash, real_kv, chain.written)
+    return new_buf, chain
 
 
 def write(
@@ -30,12 +46,14 @@ def write(
 
     Shapes: ``canary_buf`` u32[num_slots, 4, 2]; ``write_offsets`` i32[R + 1]; ``seed_slot_indices`` i32[R];
     ``num_valid_reqs``, ``enable_chain_position_assert`` i32[1]; token arrays i32[T].
-    Backends ``"pallas"`` and ``"interpret"`` run the kernels of ``pallas_triton`` (natively, or in Pallas
-    interpret mode); ``"xla"`` runs the pure-jnp chain and the shared store. Both give identical bytes.
+    ``"xla"`` runs the pure-jnp chain and the shared store; ``"pallas"`` the kernels of ``pallas_triton`` on GPU
+    or of ``pallas_mosaic`` on TPU, chosen by the platform lowered for; ``"interpret"`` / ``"interpret_tpu"``
+    run those kernels interpreted, anywhere; ``"auto"`` is ``"pallas"`` on GPU and TPU, else ``"xla"``. All
+    give identical bytes.
 
     Raises:
-      ValueError, TypeError: for a wrong shape, dtype or static argument, naming it.
-      NotImplementedError: ``"pallas"`` off-GPU, or a Pallas backend with a KV dtype it cannot read as words.
+      ValueError, TypeError: for a wrong shape, dtype or static argument (backend name included), naming it.
+      NotImplementedError: ``"pallas"`` lowered for a platform other than GPU or TPU.
     """
     num_slots = checks.canary_buffer(canary_buf)
     checks.array("seed_slot_indices", seed_slot_indices, dtype=jnp.int32, ndim=1)
@@ -47,26 +65,24 @@ def write(
     for arg, x in tokens.items():
         checks.array(arg, x, dtype=jnp.int32, ndim=1)
     checks.same_length(tokens)
-    real_kv_sources = realkv.validate_sources(real_kv_sources, num_slots=num_slots)
+    sources = realkv.validate_sources(real_kv_sources, num_slots=num_slots)
     checks.static_int("real_kv_hash_mode", real_kv_hash_mode, maximum=layout.REAL_KV_ALL + 1)
-    name = backends.resolve(backend)
-    if name != "xla":
-        for i, src in enumerate(real_kv_sources):
-            kernel_io.check_kv_dtype(src.data.dtype, f"real_kv_sources[{i}].data")
+
+    def xla(*args):
+        return _xla_write(*args, real_kv_hash_mode=real_kv_hash_mode)
+
+    def triton(*args, interpret):
         return pallas_triton.write(
-            canary_buf,
-            write_offsets,
-            seed_slot_indices,
-            num_valid_reqs,
-            input_ids,
-            positions,
-            out_cache_loc,
-            enable_chain_position_assert,
-            real_kv_sources=real_kv_sources,
-            real_kv_hash_mode=real_kv_hash_mode,
-            interpret=name == "interpret",
+            *args[:-1], real_kv_sources=args[-1], real_kv_hash_mode=real_kv_hash_mode, interpret=interpret
         )
-    chain = reference.write_chain(
+
+    def mosaic(*args, interpret):
+        return pallas_mosaic.write(
+            *args[:-1], real_kv_sources=args[-1], real_kv_hash_mode=real_kv_hash_mode, interpret=interpret
+        )
+
+    run = backends.dispatch(backend, xla=xla, triton=triton, mosaic=mosaic)
+    return run(
         canary_buf,
         write_offsets,
         seed_slot_indices,
@@ -75,8 +91,5 @@ def write(
         positions,
         out_cache_loc,
         enable_chain_position_assert,
+        sources,
     )
-    slots = records.clamp_slots(out_cache_loc, canary_buf.shape[0])
-    real_kv = realkv.fold_slots(real_kv_sources, slots, real_kv_hash_mode)
-    new_buf = store.store(canary_buf, out_cache_loc, input_ids, positions, chain.prev_hash, real_kv, chain.written)
-    return new_buf, chain

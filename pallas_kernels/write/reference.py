@@ -31,6 +31,16 @@ class ChainOut(NamedTuple):
     written: jax.Array  # bool[T]: covered by a valid request and out_cache_loc >= 0
 
 
+def empty_chain(num_tokens: int) -> ChainOut:
+    """The ChainOut of entries no request walks: zero hashes and positions, nothing failed or written."""
+    return ChainOut(
+        prev_hash=jnp.zeros((num_tokens, 2), jnp.uint32),
+        expected_position=jnp.zeros((num_tokens, 2), jnp.uint32),
+        position_assert_failed=jnp.zeros((num_tokens,), bool),
+        written=jnp.zeros((num_tokens,), bool),
+    )
+
+
 def request_spans(write_offsets: jax.Array, num_valid_reqs: jax.Array, num_tokens: int):
     """(start, count) of each request's entries, clamped to the token arrays; count 0 past ``num_valid_reqs``."""
     num_reqs = write_offsets.shape[0] - 1
@@ -87,12 +97,7 @@ def write_chain(
         canary_buf, seed_slot_indices, count, enable_chain_position_assert
     )
     lanes = jnp.arange(CHAIN_BLOCK)
-    out = ChainOut(
-        prev_hash=jnp.zeros((num_tokens, 2), jnp.uint32),
-        expected_position=jnp.zeros((num_tokens, 2), jnp.uint32),
-        position_assert_failed=jnp.zeros((num_tokens,), bool),
-        written=jnp.zeros((num_tokens,), bool),
-    )
+    out = empty_chain(num_tokens)
 
     def block(k, carry):
         h, pos_prev, out = carry

@@ -20,16 +20,13 @@ S = jax.ShapeDtypeStruct
 NUM_SLOTS, CAPACITY, TOKENS, REQS = 1000, 777, 300, 9  # ragged: none is a multiple of a block
 
 
-@pytest.fixture(autouse=True)
-def _pretend_gpu(monkeypatch):
-    """``backend="pallas"`` resolves only on a GPU; exporting for CUDA is exactly that case."""
-    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-
-
 def _export(fn, *args) -> str:
+    """``backend="pallas"``/``"auto"`` pick Triton because the lowering is for CUDA: nothing pretends a GPU."""
     with compat.cuda_export_target():
         exported = export.export(fn, platforms=["cuda"], disabled_checks=compat.export_disabled_checks())(*args)
-    return exported.mlir_module()
+    text = exported.mlir_module()
+    assert compat.MOSAIC_CUSTOM_CALL_TARGET not in text  # the TPU branch is traced, but never lowered
+    return text
 
 
 def _sources(*dtypes):
@@ -62,14 +59,15 @@ def _write_args(sources, tokens=TOKENS):
 
 
 @pytest.mark.parametrize(
-    "dtypes,mode,check",
+    "dtypes,mode,check,backend",
     [
-        ((), 0, False),
-        ((jnp.bfloat16,), 1, True),
-        ((jnp.float32, jnp.int8, jnp.uint8, jnp.float8_e4m3fn), 2, True),
+        ((), 0, False, "pallas"),
+        ((jnp.bfloat16,), 1, True, "pallas"),
+        ((jnp.float32, jnp.int8, jnp.uint8, jnp.float8_e4m3fn), 2, True, "pallas"),
+        ((jnp.bfloat16,), 2, True, "auto"),
     ],
 )
-def test_verify_lowers(dtypes, mode, check):
+def test_verify_lowers(dtypes, mode, check, backend):
     def fn(buf, slots, tokens, positions, prevs, num_active, sources):
         return verify_api.verify(
             buf,
@@ -81,15 +79,19 @@ def test_verify_lowers(dtypes, mode, check):
             real_kv_sources=sources,
             real_kv_hash_mode=mode,
             check_expected_token=check,
-            backend="pallas",
+            backend=backend,
         )
 
     text = _export(jax.jit(fn), *_verify_args(_sources(*dtypes)))
     assert "kvcanary_verify_block" in text and compat.TRITON_CUSTOM_CALL_TARGET in text
 
 
-@pytest.mark.parametrize("tokens", [TOKENS, write_triton.PAIRWISE_MAX_TOKENS + 1], ids=["pairwise", "sort"])
-def test_write_lowers(tokens):
+@pytest.mark.parametrize(
+    "tokens,backend",
+    [(TOKENS, "pallas"), (write_triton.PAIRWISE_MAX_TOKENS + 1, "pallas"), (TOKENS, "auto")],
+    ids=["pairwise", "sort", "auto"],
+)
+def test_write_lowers(tokens, backend):
     def fn(buf, offsets, seeds, num_valid, ids, positions, loc, flag, sources):
         return write_api.write(
             buf,
@@ -102,7 +104,7 @@ def test_write_lowers(tokens):
             flag,
             real_kv_sources=sources,
             real_kv_hash_mode=2,
-            backend="pallas",
+            backend=backend,
         )
 
     text = _export(jax.jit(fn, donate_argnums=0), *_write_args(_sources(jnp.bfloat16, jnp.float8_e4m3fn), tokens))

@@ -1,0 +1,192 @@
+"""Mosaic (TPU) side of the kernels' I/O: DMA gathers of records and KV windows, and their u32 columns.
+
+A TPU kernel reaches HBM only by DMA, and its vector unit works on (8, 128) tiles of 32-bit words. The Mosaic
+kernels therefore lay a block of ``rows * 128`` entries out as ``[rows, 128]`` (entry ``e`` at ``(e >> 7, e & 127)``):
+
+  * each entry's record, and each entry's window of KV bytes, is DMA'd from HBM into the entry's own row of a VMEM
+    scratch, with slot ids read as scalars from SMEM (scalar prefetch);
+  * a transpose of the last two axes then turns those rows into "columns": one ``u32[rows, 128]`` vector per
+    word, the shape the shared u32-pair hash code (:mod:`pallas_kernels.hash64`) works on.
+
+Every DMA indexes only the leading (untiled) dims of its HBM ref, except the KV window inside a page row; see
+:func:`kv_copy`. Nothing here is 64-bit: 8-byte KV elements are viewed as u32 pairs before the kernel.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from pallas_kernels import layout, realkv, records
+
+LANES = 128
+_LANE_BITS = 7  # log2(LANES): entry e sits at (e >> 7, e & 127); shifts, because a signed // or % on a TPU
+# vector asks the lowering for the chip generation, which a CPU host exporting for TPU does not have.
+_WORDS_PER_CHUNK = layout.REAL_KV_CHUNK_BYTES // 4
+_UINT = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}
+
+
+@dataclasses.dataclass(frozen=True)
+class KvWindow:
+    """Where a slot's folded bytes sit in a source's kernel view (:func:`kv_view`), in view elements.
+
+    Attributes:
+      page_size: token slots per page row.
+      token_elements: elements of one token (``num_bytes_per_token / itemsize``).
+      elements: elements DMA'd per slot: 16 bytes in PARTIAL mode, ``read_bytes`` in ALL mode.
+      itemsize: bytes per view element (1, 2 or 4).
+    """
+
+    page_size: int
+    token_elements: int
+    elements: int
+    itemsize: int
+
+
+def kv_window(source: realkv.RealKvSource, mode: int) -> KvWindow:
+    itemsize = min(4, jnp.dtype(source.data.dtype).itemsize)  # 8-byte elements are viewed as u32 pairs
+    nbytes = layout.REAL_KV_CHUNK_BYTES * realkv.num_chunks(source, mode)
+    return KvWindow(source.page_size, source.num_bytes_per_token // itemsize, nbytes // itemsize, itemsize)
+
+
+def kv_view(data: jax.Array) -> jax.Array:
+    """A source as unsigned ints ``u{8,16,32}[pages, row_elements]``: the bytes the kernel DMAs, never floats.
+
+    Same-width bitcasts are free; reading the bits as unsigned ints also keeps float payloads (signalling NaNs)
+    untouched by interpret mode. 8-byte elements become little-endian u32 pairs, a copy, because Mosaic has no
+    64-bit types. A 2-D source is a free view; XLA may relayout (copy) a source of more dims on TPU.
+    """
+    rows = data.reshape(data.shape[0], math.prod(data.shape[1:]))
+    itemsize = jnp.dtype(rows.dtype).itemsize
+    if itemsize == 8:
+        return lax.bitcast_convert_type(rows, jnp.uint32).reshape(rows.shape[0], 2 * rows.shape[1])
+    return lax.bitcast_convert_type(rows, _UINT[itemsize])
+
+
+def lane_dense(x: jax.Array, num_rows: int) -> jax.Array:
+    """``x[n]`` zero-padded to ``[num_rows, 128]``, so a ``(rows, 128)`` block holds ``rows * 128`` entries."""
+    return jnp.pad(x, (0, num_rows * LANES - x.shape[0])).reshape(num_rows, LANES)
+
+
+def entry_index(rows: int) -> jax.Array:
+    """i32[rows, 128]: each position's entry number within its block."""
+    row = lax.broadcasted_iota(jnp.int32, (rows, LANES), 0)
+    return (row << _LANE_BITS) | lax.broadcasted_iota(jnp.int32, (rows, LANES), 1)
+
+
+def semaphore(sems, i: int):
+    """DMA semaphore ``i`` of an array of them; an int32 index, since a Python int is int64 under x64."""
+    return sems.at[jnp.int32(i)]
+
+
+def _at(ref, e: jax.Array):
+    """The one-entry window ``[1, ...]`` of entry ``e`` in a ``[rows, 128, ...]`` VMEM scratch."""
+    return ref.at[e >> _LANE_BITS, pl.ds(e & (LANES - 1), 1)]  # e >= 0: arithmetic shift is exact
+
+
+def record_copy(buf_hbm, slot: jax.Array, rec_ref, e: jax.Array, sem, *, to_hbm: bool = False):
+    """DMA of record ``slot`` of ``u32[num_slots, 4, 2]`` to (or from) entry ``e``'s row of ``u32[rows, 128, 4, 2]``.
+
+    The HBM side is a whole record on the leading dim: the canary buffer keeps its own shape, since reshaping it
+    to rows of 8 words would make XLA relayout (copy) the whole buffer on TPU.
+    """
+    hbm, vmem = buf_hbm.at[pl.ds(slot, 1)], _at(rec_ref, e)
+    return pltpu.make_async_copy(vmem, hbm, sem) if to_hbm else pltpu.make_async_copy(hbm, vmem, sem)
+
+
+def kv_copy(kv_hbm, window: KvWindow, slot: jax.Array, kv_ref, e: jax.Array, sem):
+    """DMA of slot ``slot``'s folded bytes from its page row of ``kv_hbm`` into entry ``e``'s row of ``kv_ref``.
+
+    ``slot`` must be non-negative (clamped), so ``lax.div`` / ``lax.rem`` are the floor division of the spec.
+    The window starts ``(slot % page_size) * token_elements`` into the row: 16-byte aligned, but not tile
+    aligned unless ``page_size == 1``.
+    """
+    page, start = slot, 0
+    if window.page_size > 1:
+        page = lax.div(slot, jnp.int32(window.page_size))
+        start = lax.rem(slot, jnp.int32(window.page_size)) * jnp.int32(window.token_elements)
+    src = kv_hbm.at[pl.ds(page, 1), pl.ds(start, window.elements)]
+    return pltpu.make_async_copy(src, _at(kv_ref, e), sem)
+
+
+def gather(count: jax.Array, copies: Callable[[jax.Array], Sequence], when: Callable | None = None) -> None:
+    """Starts the DMAs ``copies(e)`` of entries ``e < count`` (where ``when(e)``), then waits for every one.
+
+    All copies of one kind share a semaphore; each wait consumes one copy's bytes, so waiting once per started
+    copy, with the same descriptors, leaves every copy finished and the semaphores at zero.
+    """
+
+    def each(method):
+        def body(e, carry):
+            def run():
+                for copy in copies(e):
+                    getattr(copy, method)()
+
+            if when is None:
+                run()
+            else:
+                pl.when(when(e))(run)
+            return carry
+
+        lax.fori_loop(0, count, body, 0)
+
+    each("start")
+    each("wait")
+
+
+def record_columns(rec_ref) -> records.Record:
+    """The four u64 fields of the ``u32[rows, 128, 4, 2]`` records as ``u32[rows, 128]`` (lo, hi) columns."""
+    fields = []
+    for f in range(layout.CANARY_FIELDS_PER_SLOT):
+        pairs = jnp.swapaxes(rec_ref[:, :, f, :], 1, 2)  # u32[rows, 2, 128]: transpose of the last two axes
+        fields.append((pairs[:, 0, :], pairs[:, 1, :]))
+    return tuple(fields)
+
+
+def store_record_columns(rec_ref, record: records.Record) -> None:
+    """The inverse of :func:`record_columns`: writes ``u32[rows, 128]`` field columns as record rows."""
+    for f, (lo, hi) in enumerate(record):
+        rec_ref[:, :, f, :] = jnp.swapaxes(jnp.stack([lo, hi], axis=1), 1, 2)  # u32[rows, 128, 2]
+
+
+def transpose_kv(kv_ref, kv_t_ref) -> None:
+    """``u{8,16,32}[rows, 128, elements]`` windows to ``u32[rows, elements, 128]``: element j of every entry per row."""
+    for r in range(kv_ref.shape[0]):
+        kv_t_ref[r] = kv_ref[r].astype(jnp.uint32).T  # zero-extended: the view is unsigned
+
+
+def chunk_loader(kv_t_refs, windows: Sequence[KvWindow]):
+    """The ``load_chunk(source, chunk)`` of :func:`realkv.fold_loaded` over :func:`transpose_kv` scratches.
+
+    Word ``k`` of a chunk is ``4 / itemsize`` consecutive little-endian elements, which the transpose put on
+    consecutive sublanes; ``chunk`` is a traced loop index, so the rows are read at a dynamic sublane offset.
+    """
+
+    def load_chunk(i: int, chunk: jax.Array) -> tuple[jax.Array, ...]:
+        ref, window = kv_t_refs[i], windows[i]
+        per_word = 4 // window.itemsize
+        words = []
+        for k in range(_WORDS_PER_CHUNK):
+            first = (chunk * _WORDS_PER_CHUNK + k) * per_word
+            word = None
+            for j in range(per_word):
+                part = ref[:, pl.ds(first + j, 1), :].reshape(ref.shape[0], LANES)
+                part = part << jnp.uint32(8 * window.itemsize * j) if j else part
+                word = part if word is None else word | part
+            words.append(word)
+        return tuple(words)
+
+    return load_chunk
+
+
+def kv_scratch(rows: int, views: Sequence[jax.Array], windows: Sequence[KvWindow]) -> list:
+    """VMEM scratch of the KV gather: one window buffer per source, then one transposed u32 buffer per source."""
+    gathered = [pltpu.VMEM((rows, LANES, w.elements), v.dtype) for v, w in zip(views, windows, strict=True)]
+    return gathered + [pltpu.VMEM((rows, w.elements, LANES), jnp.uint32) for w in windows]

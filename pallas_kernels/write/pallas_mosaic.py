@@ -1,0 +1,300 @@
+"""Write kernels (Pallas Mosaic, TPU): a serial chain walk per request, then a vectorised real-KV fold and store.
+
+Two launches, as in ``pallas_triton``:
+  * ``kvcanary_write_chain_mosaic``: one grid step per request walks its entries in order on the scalar core
+    (``mix3`` is not associative). The token arrays stay in HBM, viewed as ``[windows, 128]``; the walk DMAs each
+    128-entry window it touches into SMEM (128 i32 are 512 bytes, the smallest HBM-to-SMEM DMA), and
+    read-modify-writes the matching windows of its outputs. Windows are shared by neighbouring requests, so the
+    grid is sequential ("arbitrary"). Seeds are hashed before the launch, from the pre-launch buffer.
+  * ``kvcanary_write_store_mosaic``: ``rows * 128`` entries per grid step fold their KV windows on
+    ``u32[rows, 128]`` vectors and DMA their records into the aliased buffer. Only each slot's last writer
+    (``store.last_writer``, a stable sort) stores, so no two DMAs of a launch hit one slot and the bytes are
+    deterministic; the steps are then independent ("parallel").
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from pallas_kernels import compat, hash64, kernel_io, layout, mosaic_io, realkv
+from pallas_kernels.write import reference, store
+
+LANES = mosaic_io.LANES
+_WINDOW_BITS = 7  # the chain's SMEM windows hold 128 entries
+_WINDOW = 1 << _WINDOW_BITS
+_WRITTEN = 1  # bits of the chain kernel's per-entry flags
+_POSITION_FAILED = 2
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """Store-kernel launch shape.
+
+    Attributes:
+      rows: sublane rows per grid step; a step folds and stores ``rows * 128`` entries on ``u32[rows, 128]``.
+      max_entries_per_call: tokens per store ``pallas_call``; more are split into several calls, because each
+        call scalar-prefetches its slots and store flags into SMEM (1 MiB per core on v4 and newer), 8 bytes each.
+    """
+
+    rows: int
+    max_entries_per_call: int = 32768
+
+
+def heuristic(num_tokens: int) -> Config:
+    """Full (8, 128) tiles, fewer rows for small launches. Untuned: no TPU has run it (MOSAIC_NOTES.md)."""
+    return Config(rows=max(1, min(8, pl.cdiv(num_tokens, LANES))))
+
+
+def _chain_kernel(
+    start_ref,  # SMEM i32[R]
+    count_ref,  # SMEM i32[R]
+    seed_ref,  # SMEM u32[4 * R]: per request hash lo, hash hi, position lo, position hi
+    check_ref,  # SMEM i32[R]
+    token_hbm,  # i32[windows, 128] in HBM
+    position_hbm,  # i32[windows, 128] in HBM
+    loc_hbm,  # i32[windows, 128] in HBM
+    *refs,  # 5 aliased zero inputs, 5 outputs [windows, 128] in HBM (prev_hash lo/hi, expected lo/hi, flags),
+    # 8 SMEM [1, 128] windows (3 inputs, 5 outputs), DMA semaphore[1]
+):
+    """Walks request ``program_id``'s entries in order; entries of no request keep the aliased zeros."""
+    outs_hbm, smem, sems = refs[5:10], refs[10:18], refs[18]
+    ins = tuple(zip((token_hbm, position_hbm, loc_hbm), smem[:3], strict=True))
+    outs = tuple(zip(outs_hbm, smem[3:], strict=True))
+    token_s, position_s, loc_s = smem[:3]
+    prev_lo_s, prev_hi_s, expected_lo_s, expected_hi_s, flags_s = smem[3:]
+    r = pl.program_id(0)
+    start, end, check = start_ref[r], start_ref[r] + count_ref[r], check_ref[r] != 0
+
+    def copy(pairs, w, *, to_hbm):
+        sem = mosaic_io.semaphore(sems, 0)
+        return [
+            pltpu.make_async_copy(s, h.at[pl.ds(w, 1)], sem)
+            if to_hbm
+            else pltpu.make_async_copy(h.at[pl.ds(w, 1)], s, sem)
+            for h, s in pairs
+        ]
+
+    def step(k, carry):
+        h, position_prev = (carry[0], carry[1]), (carry[2], carry[3])
+        slot, token, position = loc_s[0, k], token_s[0, k], position_s[0, k]
+        live = slot >= 0
+        expected, failed = reference.position_assert(position_prev, position, live, check)
+        prev_lo_s[0, k], prev_hi_s[0, k] = h
+        expected_lo_s[0, k], expected_hi_s[0, k] = expected
+        flags_s[0, k] = jnp.where(live, jnp.int32(_WRITTEN), 0) | jnp.where(failed, jnp.int32(_POSITION_FAILED), 0)
+        h, position_prev = reference.advance(h, position_prev, token, position, live)
+        return (*h, *position_prev)
+
+    def window(w, carry):
+        loads = copy(ins + outs, w, to_hbm=False)  # outputs too: the window's other entries must survive
+        for c in loads:
+            c.start()
+        for c in loads:
+            c.wait()
+        first = w << _WINDOW_BITS
+        carry = lax.fori_loop(jnp.maximum(start - first, 0), jnp.minimum(end - first, _WINDOW), step, carry)
+        stores = copy(outs, w, to_hbm=True)
+        for c in stores:
+            c.start()
+        for c in stores:
+            c.wait()
+        return carry
+
+    @pl.when(end > start)
+    def _walk():
+        seed = tuple(seed_ref[4 * r + j] for j in range(4))
+        lax.fori_loop(start >> _WINDOW_BITS, ((end - 1) >> _WINDOW_BITS) + 1, window, seed)  # start, end >= 0
+
+
+def _walk(start, count, seed_hash, seed_position, check, input_ids, positions, out_cache_loc, *, interpret):
+    """Runs the chain kernel; returns (prev_hash u32[T, 2], expected_position u32[T, 2], flags i32[T])."""
+    num_tokens, num_reqs = input_ids.shape[0], start.shape[0]
+    num_windows = pl.cdiv(num_tokens, _WINDOW)
+    dense = functools.partial(mosaic_io.lane_dense, num_rows=num_windows)
+    seeds = jnp.stack([*seed_hash, *seed_position], axis=-1).reshape(-1)  # 1-D: SMEM pads 2-D arrays' last dim
+    zeros = [jnp.zeros((num_windows, _WINDOW), dt) for dt in (jnp.uint32,) * 4 + (jnp.int32,)]
+    in_hbm = pl.BlockSpec(memory_space=pl.ANY)
+    grid_spec = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=4,
+        grid=(num_reqs,),
+        in_specs=[in_hbm] * 8,
+        out_specs=[in_hbm] * 5,
+        scratch_shapes=[
+            *(pltpu.SMEM((1, _WINDOW), jnp.int32) for _ in range(3)),
+            *(pltpu.SMEM((1, _WINDOW), z.dtype) for z in zeros),
+            pltpu.SemaphoreType.DMA((1,)),
+        ],
+    )
+    outs = compat.mosaic_call(
+        _chain_kernel,
+        out_shape=[jax.ShapeDtypeStruct(z.shape, z.dtype) for z in zeros],
+        grid_spec=grid_spec,
+        name="kvcanary_write_chain_mosaic",
+        dimension_semantics=("arbitrary",),  # requests share windows: read-modify-write in grid order
+        interpret=interpret,
+        # Entries of no request are never visited, and unwritten outputs are garbage (pallas_notes §9, pitfall
+        # 8), so the outputs start as aliased zeros (scalar-prefetch operands count in the indices).
+        input_output_aliases={4 + 3 + i: i for i in range(5)},
+    )(start, count, seeds, check.astype(jnp.int32), dense(input_ids), dense(positions), dense(out_cache_loc), *zeros)
+    prev_lo, prev_hi, expected_lo, expected_hi, flags = (x.reshape(-1)[:num_tokens] for x in outs)
+    return hash64.join((prev_lo, prev_hi)), hash64.join((expected_lo, expected_hi)), flags
+
+
+def _store_kernel(
+    loc_ref,  # SMEM i32[n]: out_cache_loc
+    store_ref,  # SMEM i32[n]: 1 where the entry's record is stored (written, last writer, slot in range)
+    token_v_ref,  # i32[rows, 128]
+    position_v_ref,  # i32[rows, 128]
+    prev_lo_v_ref,  # u32[rows, 128]
+    prev_hi_v_ref,  # u32[rows, 128]
+    *refs,  # KV views u{8,16,32}[pages, row] in HBM..., buf in, buf out (u32[num_slots, 4, 2], aliased), scratch
+    specs: tuple[realkv.RealKvSource, ...],
+    mode: int,
+):
+    """Folds and stores the records of one block of entries into the aliased canary buffer."""
+    num_sources = len(specs)
+    kv_hbm, buf_hbm, rec_ref = refs[:num_sources], refs[num_sources + 1], refs[num_sources + 2]
+    kv_refs = refs[num_sources + 3 : 2 * num_sources + 3]  # dtype[rows, 128, window]
+    kv_t_refs = refs[2 * num_sources + 3 : 3 * num_sources + 3]  # u32[rows, window, 128]
+    sems = refs[-1]  # DMA[1 + num_sources]
+    windows = [mosaic_io.kv_window(s, mode) for s in specs]
+    rows = token_v_ref.shape[0]
+    base = pl.program_id(0) * (rows * LANES)
+    count = jnp.clip(loc_ref.shape[0] - base, 0, rows * LANES)
+    stored = lambda e: store_ref[base + e] != 0  # noqa: E731
+
+    if num_sources:  # only stored entries fold: the others' (stale) columns are never written out
+        mosaic_io.gather(
+            count,
+            lambda e: [
+                mosaic_io.kv_copy(
+                    kv_hbm[i], windows[i], loc_ref[base + e], kv_refs[i], e, mosaic_io.semaphore(sems, 1 + i)
+                )
+                for i in range(num_sources)
+            ],
+            when=stored,
+        )
+        for kv_ref, kv_t_ref in zip(kv_refs, kv_t_refs, strict=True):
+            mosaic_io.transpose_kv(kv_ref, kv_t_ref)
+    token = token_v_ref[...]
+    record = (
+        hash64.from_i32(token),
+        hash64.from_i32(position_v_ref[...]),
+        (prev_lo_v_ref[...], prev_hi_v_ref[...]),
+        realkv.fold_loaded(specs, token, mode, mosaic_io.chunk_loader(kv_t_refs, windows)),
+    )
+    mosaic_io.store_record_columns(rec_ref, record)
+    mosaic_io.gather(
+        count,
+        lambda e: [
+            mosaic_io.record_copy(buf_hbm, loc_ref[base + e], rec_ref, e, mosaic_io.semaphore(sems, 0), to_hbm=True)
+        ],
+        when=stored,
+    )
+
+
+def _store(canary_buf, entries, views, specs, *, mode, rows, interpret):
+    """One store ``pallas_call`` over ``n`` entries; returns the updated (aliased) buffer."""
+    loc, flag, token, position, prev_lo, prev_hi = entries
+    n = loc.shape[0]
+    grid = pl.cdiv(n, rows * LANES)
+    windows = [mosaic_io.kv_window(s, mode) for s in specs]
+    dense = functools.partial(mosaic_io.lane_dense, num_rows=grid * rows)
+    blocked = pl.BlockSpec((rows, LANES), lambda b, *_: (b, 0))
+    in_hbm = pl.BlockSpec(memory_space=pl.ANY)
+    grid_spec = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=2,
+        grid=(grid,),
+        in_specs=[blocked] * 4 + [in_hbm] * (len(views) + 1),
+        out_specs=in_hbm,
+        scratch_shapes=[
+            pltpu.VMEM((rows, LANES, 4, 2), jnp.uint32),
+            *mosaic_io.kv_scratch(rows, views, windows),
+            pltpu.SemaphoreType.DMA((1 + len(views),)),
+        ],
+    )
+    return compat.mosaic_call(
+        functools.partial(_store_kernel, specs=specs, mode=mode),
+        out_shape=jax.ShapeDtypeStruct(canary_buf.shape, canary_buf.dtype),
+        grid_spec=grid_spec,
+        name=f"kvcanary_write_store_mosaic_{rows=}",
+        dimension_semantics=("parallel",),  # one writer per slot: blocks never touch the same record
+        interpret=interpret,
+        input_output_aliases={2 + 4 + len(views): 0},  # the canary buffer, updated in place
+    )(loc, flag, dense(token), dense(position), dense(prev_lo), dense(prev_hi), *views, canary_buf)
+
+
+@functools.partial(jax.jit, static_argnames=("real_kv_hash_mode", "interpret", "config"))
+def write(
+    canary_buf: jax.Array,
+    write_offsets: jax.Array,
+    seed_slot_indices: jax.Array,
+    num_valid_reqs: jax.Array,
+    input_ids: jax.Array,
+    positions: jax.Array,
+    out_cache_loc: jax.Array,
+    enable_chain_position_assert: jax.Array,
+    *,
+    real_kv_sources: Sequence[realkv.RealKvSource],
+    real_kv_hash_mode: int,
+    interpret: bool = False,
+    config: Config | None = None,
+) -> tuple[jax.Array, reference.ChainOut]:
+    """Same contract as the xla path (``reference.write_chain`` + real-KV fold + ``store.store``).
+
+    Args:
+      canary_buf: u32[num_slots, 4, 2], updated in place when the caller donates it.
+      write_offsets: i32[R + 1]; seed_slot_indices: i32[R]; num_valid_reqs: i32[1].
+      input_ids, positions, out_cache_loc: i32[T].
+      enable_chain_position_assert: i32[1].
+      real_kv_sources, real_kv_hash_mode: the fold of each written slot's KV bytes.
+      interpret: run the kernels in TPU interpret mode (any platform).
+      config: store-kernel launch shape; ``heuristic(T)`` when None.
+
+    Returns:
+      ``(new canary_buf, ChainOut)``, byte-identical to the xla path.
+    """
+    num_tokens, num_reqs, num_slots = out_cache_loc.shape[0], seed_slot_indices.shape[0], canary_buf.shape[0]
+    if num_tokens == 0 or num_reqs == 0:
+        return canary_buf, reference.empty_chain(num_tokens)
+    config = config or heuristic(num_tokens)
+    start, count = reference.request_spans(write_offsets, num_valid_reqs, num_tokens)
+    seed_hash, seed_position, check = reference.chain_seeds(
+        canary_buf, seed_slot_indices, count, enable_chain_position_assert
+    )
+    prev_hash, expected, flags = _walk(
+        start, count, seed_hash, seed_position, check, input_ids, positions, out_cache_loc, interpret=interpret
+    )
+    written = (flags & _WRITTEN) != 0
+    flag = store.last_writer(out_cache_loc, written, num_slots).astype(jnp.int32)
+    sources = tuple(real_kv_sources) if real_kv_hash_mode != layout.REAL_KV_NONE else ()
+    views = [mosaic_io.kv_view(s.data) for s in sources]
+    entries = (out_cache_loc, flag, input_ids, positions, prev_hash[:, 0], prev_hash[:, 1])
+    buf = canary_buf
+    for lo in range(0, num_tokens, config.max_entries_per_call):  # static split: SMEM holds one part's slots
+        hi = min(num_tokens, lo + config.max_entries_per_call)
+        part = tuple(x[lo:hi] for x in entries)
+        buf = _store(
+            buf,
+            part,
+            views,
+            kernel_io.source_specs(sources),
+            mode=real_kv_hash_mode,
+            rows=config.rows,
+            interpret=interpret,
+        )
+    chain = reference.ChainOut(
+        prev_hash=prev_hash,
+        expected_position=expected,
+        position_assert_failed=(flags & _POSITION_FAILED) != 0,
+        written=written,
+    )
+    return buf, chain
