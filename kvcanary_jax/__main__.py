@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from pallas_kernels.backend import BACKENDS
+
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m kvcanary_jax", description=__doc__)
@@ -19,6 +21,11 @@ def main(argv: list[str] | None = None) -> int:
         "--devices", type=int, default=None, metavar="N",
         help="run sharded over N devices, a (dp, tp) mesh (on CPU: N fake devices); faults hit one device",
     )  # fmt: skip
+    demo.add_argument(
+        "--backend", default="auto", choices=BACKENDS,
+        help="the canary's kernels: auto (Triton on GPU, Mosaic on TPU, else xla), xla, pallas, interpret (Triton, "
+        "interpreted) or interpret_tpu (Mosaic, interpreted; slow)",
+    )  # fmt: skip
     commands.add_parser("example", help="write, verify and tamper one request's chain, printing the report")
     args = parser.parse_args(argv)
     if args.command == "demo" and args.devices is not None:
@@ -26,12 +33,12 @@ def main(argv: list[str] | None = None) -> int:
 
         sharded.use_fake_cpu_devices(args.devices)  # before anything initialises jax
         return sharded_faults.run_sharded_demo(
-            devices=args.devices, seed=args.seed, clean_steps=args.clean_steps, as_json=args.json
+            devices=args.devices, seed=args.seed, clean_steps=args.clean_steps, as_json=args.json, backend=args.backend
         )
     if args.command == "demo":
         from kvcanary_jax.demo import cli  # imports the demo model only when asked for
 
-        return cli.run_demo(seed=args.seed, clean_steps=args.clean_steps, as_json=args.json)
+        return cli.run_demo(seed=args.seed, clean_steps=args.clean_steps, as_json=args.json, backend=args.backend)
     from kvcanary_jax.demo import example
 
     return 0 if example.run_example() > 0 else 1

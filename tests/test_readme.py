@@ -1,7 +1,13 @@
 """README's two set-up commands exist, and CI runs exactly README's test command."""
 
+import contextlib
+import io
 import pathlib
 import re
+
+import pytest
+
+import kvcanary_jax as kc
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 DEMO_COMMAND = 'pip install -e ".[test]" && python -m kvcanary_jax demo'
@@ -28,3 +34,44 @@ def test_ci_runs_the_readme_test_command():
     assert match.group(1) == TEST_COMMAND
     assert match.group(1) in _readme_commands()
     assert re.search(r'bash -c "\$\{TEST_COMMAND\}"', script), ".ci/run must execute TEST_COMMAND"
+
+
+def _python_block(section: str) -> str:
+    """The first python code block under README's ``## <section>`` heading."""
+    readme = (ROOT / "README.md").read_text()
+    start = readme.index(f"## {section}\n")
+    end = readme.find("\n## ", start + 1)
+    blocks = re.findall(r"```python\n(.*?)```", readme[start : end if end > 0 else None], flags=re.S)
+    assert blocks, f"no python block under '## {section}'"
+    return blocks[0]
+
+
+def _run(code: str, name: str) -> str:
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        exec(compile(code, f"README.md ({name})", "exec"), {"__name__": f"readme_{name}"})
+    return out.getvalue()
+
+
+def test_the_wrap_snippet_runs_as_written_and_is_clean():
+    assert _run(_python_block("Wrapping a decode step"), "wrap").strip().endswith("0 violations")
+
+
+def test_the_wrap_snippet_catches_a_corrupted_slot():
+    """The same snippet with one KV byte flipped after step 20: the monitor raises, naming the slot and request."""
+    code = _python_block("Wrapping a decode step")
+    step_line = "    kv, state = step(kv, state, batch)\n"
+    assert step_line in code
+    corrupt = (
+        step_line
+        + "    if i == 20:\n        kv[0] = kc.testing.flip_kv_byte(kv[0], jnp.int32(5), page_size=PAGE_SIZE)\n"
+    )
+    with pytest.raises(kc.KvCanaryViolationError) as caught:
+        _run(code.replace(step_line, corrupt), "wrap_corrupted")
+    message = str(caught.value)
+    assert "launch_tag=TAIL_K_FULL fail_reason=verify_real_kv_hash slot_idx=5 position=4" in message
+    assert "  request: row=0 (batch entry 0) position expected=4 found=4" in message
+
+
+def test_the_core_ops_snippet_runs_as_written():
+    _run(_python_block("The core ops in one screen"), "core_ops")

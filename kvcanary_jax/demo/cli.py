@@ -54,12 +54,18 @@ def format_table(results: list[faults.RunResult]) -> str:
     return "\n".join(lines)
 
 
-def run_demo(*, seed: int = 0, clean_steps: int = 300, as_json: bool = False, out: TextIO | None = None) -> int:
+def run_demo(
+    *, seed: int = 0, clean_steps: int = 300, as_json: bool = False, backend: str = "auto", out: TextIO | None = None
+) -> int:
     """Runs the clean run and every fault; prints the table (or JSON) to ``out`` (default stdout).
+
+    Args:
+      backend: the canary's backend (``"interpret_tpu"`` runs the Mosaic kernels interpreted: slow, but any machine).
 
     Returns 0 if every run was as expected: the clean run silent, every fault caught by the expected launch.
     """
     out = out or sys.stdout
+    config = dataclasses.replace(faults.DEMO_CONFIG, backend=backend)
     status = _Status(sys.stderr)
     started = time.perf_counter()
 
@@ -69,15 +75,18 @@ def run_demo(*, seed: int = 0, clean_steps: int = 300, as_json: bool = False, ou
         )
 
     status.show("[kvcanary demo] compiling the jitted step (first step) ...")
-    results = [faults.run(None, seed=seed, max_steps=clean_steps, on_step=progress("clean run", clean_steps))]
+    results = [
+        faults.run(None, seed=seed, max_steps=clean_steps, config=config, on_step=progress("clean run", clean_steps))
+    ]
     for kind, group in faults.FAULT_RUNS:
         label = f"{kind.value}/{group.name}"
-        results.append(faults.run(kind, group=group, seed=seed, on_step=progress(label, 60)))
+        results.append(faults.run(kind, group=group, seed=seed, config=config, on_step=progress(label, 60)))
     status.done()
     ok = all(r.ok for r in results)
     if as_json:
         payload = {
             "ok": ok,
+            "backend": backend,
             "wall_s": round(time.perf_counter() - started, 1),
             "runs": [dataclasses.asdict(r) for r in results],
         }

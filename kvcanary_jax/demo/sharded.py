@@ -52,8 +52,9 @@ class ShardedDemo:
     monitor: ShardedCanaryMonitor
 
     @classmethod
-    def build(cls, mesh_layout: kc.MeshLayout, seed: int) -> ShardedDemo:
-        base = loop.build_demo(seed, canary_config=faults.DEMO_CONFIG, **faults.DEMO_BUILD)
+    def build(cls, mesh_layout: kc.MeshLayout, seed: int, backend: str = "auto") -> ShardedDemo:
+        config = dataclasses.replace(faults.DEMO_CONFIG, backend=backend)
+        base = loop.build_demo(seed, canary_config=config, **faults.DEMO_BUILD)
         sharded = ShardedKvCanary(base.canary, mesh_layout)
         dp = mesh_layout.mesh.shape["dp"]
         kv_sharding = NamedSharding(mesh_layout.mesh, _kv_spec(mesh_layout))

@@ -133,6 +133,7 @@ def run(
     group: PoolKind = PoolKind.FULL,
     seed: int = 0,
     max_steps: int = _MAX_FAULT_STEPS,
+    backend: str = "auto",
 ) -> ShardedRunResult:
     """Runs the sharded demo clean (``fault`` None) or with one fault on the mesh's last device.
 
@@ -145,8 +146,9 @@ def run(
       mesh_layout: a ``(dp, tp)`` layout from :func:`mesh_layout`.
       group: the pool group a KV fault hits.
       max_steps: steps of a clean run; the most a fault run may take.
+      backend: the canary's backend.
     """
-    demo = ShardedDemo.build(mesh_layout, seed)
+    demo = ShardedDemo.build(mesh_layout, seed, backend)
     target = tuple(n - 1 for n in mesh_layout.shape)
     hooks = _Hooks(demo, target, fault, group, seed) if fault is not None else None
     try:
@@ -230,7 +232,13 @@ def format_table(results: list[ShardedRunResult]) -> str:
 
 
 def run_sharded_demo(
-    *, devices: int, seed: int = 0, clean_steps: int = 300, as_json: bool = False, out: TextIO = sys.stdout
+    *,
+    devices: int,
+    seed: int = 0,
+    clean_steps: int = 300,
+    as_json: bool = False,
+    backend: str = "auto",
+    out: TextIO = sys.stdout,
 ) -> int:
     """Runs the clean run and every fault on ``devices`` devices; prints a table (or JSON). 0 if all went as expected.
 
@@ -247,7 +255,14 @@ def run_sharded_demo(
     if lay.mesh.shape["tp"] > 1:
         runs.append(("shard_chain", PoolKind.FULL))
     results = [
-        run(f, mesh_layout=lay, group=g, seed=seed, max_steps=clean_steps if f is None else _MAX_FAULT_STEPS)
+        run(
+            f,
+            mesh_layout=lay,
+            group=g,
+            seed=seed,
+            max_steps=clean_steps if f is None else _MAX_FAULT_STEPS,
+            backend=backend,
+        )
         for f, g in runs
     ]
     ok = all(r.ok for r in results)

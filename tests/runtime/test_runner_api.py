@@ -111,14 +111,14 @@ def test_kv_sources_use_the_group_page_size():
 
 def test_sweep_plan_checks_capacity_and_table():
     canary = KvCanary(CanaryConfig(), SWA_POOL)
-    entries = SweepEntries(*(np.arange(n, dtype=np.int32) for n in (3, 3, 3)))
+    entries = SweepEntries(*(np.array(x, np.int32) for x in ([1, 2, 3], [0, 1, 2], [-1, 1, 2])))
     with pytest.raises(ValueError, match="full_to_swa_index_mapping"):
         canary.sweep_plan(entries)
     big = SweepEntries(*(np.ones(65, np.int32) for _ in range(3)))
     with pytest.raises(ValueError, match="65 entries exceed the sweep capacity of 64"):
         canary.sweep_plan(big, np.zeros(65, np.int32))
     plan = canary.sweep_plan(entries, np.arange(65, dtype=np.int32) % 2)
-    assert int(plan.full.num_valid[0]) == 3 and int(plan.swa.num_valid[0]) == 1  # only slot 1 is SWA-resident
+    assert int(plan.full.num_valid[0]) == 3 and int(plan.swa.num_valid[0]) == 2  # slots 1 and 3 are SWA-resident
 
 
 class _Script:
