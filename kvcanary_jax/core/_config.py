@@ -63,7 +63,8 @@ class CanaryConfig:
       stats_every_n_steps: period of the stats log line; 0 disables.
       health_check_every_n_steps: period of the kernel-run watchdog; 0 disables.
       check_lag_steps: how many steps after a step the host reads its violation count (0 reads at once).
-      backend: ``"auto"``, ``"xla"``, ``"pallas"`` or ``"interpret"``.
+      backend: one of ``pallas_kernels.backend.BACKENDS``: ``"auto"``, ``"xla"``, ``"pallas"`` (Triton on GPU, Mosaic on
+        TPU), ``"interpret"`` or ``"interpret_tpu"``.
     """
 
     mode: CanaryMode | str = CanaryMode.RAISE

@@ -279,7 +279,8 @@ def canary_verify(
       real_kv_sources: up to 4 sources whose bytes must still fold to each slot's REAL_KV_HASH.
       real_kv_hash_mode: NONE, PARTIAL or ALL.
       check_expected_token: compare stored tokens with ``plan.expected_tokens`` (needs the expected-token pool).
-      backend: ``"auto"``, ``"xla"``, ``"pallas"`` or ``"interpret"``.
+      backend: one of ``pallas_kernels.backend.BACKENDS``: ``"auto"``, ``"xla"``, ``"pallas"`` (Triton on GPU, Mosaic on
+        TPU), ``"interpret"`` or ``"interpret_tpu"``.
 
     Returns:
       The new state: ring rows in plan-entry order; ``kernel_run_counters[tag] += 1``;
@@ -341,7 +342,8 @@ def canary_write(
       real_kv_sources, real_kv_hash_mode: fold the slots' KV bytes into REAL_KV_HASH (TAIL endpoints).
       expected_input_tokens, expected_input_positions: i32[T] oracle values; given together, they turn on the
         input assert (WRITE_TOKEN / WRITE_POSITION rows).
-      backend: ``"auto"``, ``"xla"``, ``"pallas"`` or ``"interpret"``.
+      backend: one of ``pallas_kernels.backend.BACKENDS``: ``"auto"``, ``"xla"``, ``"pallas"`` (Triton on GPU, Mosaic on
+        TPU), ``"interpret"`` or ``"interpret_tpu"``.
 
     Returns:
       ``(canary_buf, state)``; ``slot_run_counters[tag] += written entries``.
