@@ -10,7 +10,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import checks
+from pallas_kernels import checks, prefix
 
 
 @jax.tree_util.register_dataclass
@@ -218,7 +218,7 @@ def build(
     window_start = jnp.maximum(prefix_lens - swa_window_size, 0) if swa_window_size > 0 else jnp.zeros_like(prefix_lens)
     verify_lens = jnp.where(active, jnp.maximum(prefix_lens - window_start, 0), 0)
 
-    verify_ends = jnp.cumsum(verify_lens)
+    verify_ends = prefix.inclusive_sum(verify_lens)
     verify_starts = verify_ends - verify_lens
     total = verify_ends[-1]
     overflow = total > verify_capacity
@@ -247,7 +247,7 @@ def build(
         enable=jnp.where(overflow, 0, 1).reshape(1).astype(jnp.int32),
     )
 
-    write_offsets = jnp.zeros((write_req_capacity + 1,), jnp.int32).at[1 : bs + 1].set(jnp.cumsum(span_lens))
+    write_offsets = jnp.zeros((write_req_capacity + 1,), jnp.int32).at[1 : bs + 1].set(prefix.inclusive_sum(span_lens))
     seed_full = req_to_token[req_pool_indices, jnp.clip(prefix_lens - 1, 0, max_context - 1)]
     seed = jnp.where(active & (prefix_lens > 0) & (span_lens > 0), translate(seed_full, lut), -1)
     write_plan = WritePlan(

@@ -22,7 +22,7 @@ import numpy as np
 from jax import lax
 
 from kvcanary_jax.core._state import ViolationLog
-from pallas_kernels import hash64
+from pallas_kernels import hash64, prefix
 
 _INT32_MAX = jnp.iinfo(jnp.int32).max
 
@@ -65,7 +65,9 @@ def first_entries(flags: Sequence[jax.Array], capacity: int) -> tuple[jax.Array,
     flat = [f.reshape(-1) for f in flags]
     sizes = [f.shape[0] for f in flat]
     ones = jnp.concatenate([*flat, jnp.zeros((0,), bool)]).astype(jnp.int32)
-    set_before = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(ones)])  # set flags before each entry
+    set_before = jnp.concatenate(
+        [jnp.zeros((1,), jnp.int32), prefix.inclusive_sum(ones)]
+    )  # set flags before each entry
     bounds = np.cumsum([0, *sizes])  # static launch boundaries
     at_bounds = set_before[bounds]
     counts = at_bounds[1:] - at_bounds[:-1]

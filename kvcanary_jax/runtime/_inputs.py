@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from kvcanary_jax.core import _constants as constants
 from kvcanary_jax.core import _plans, _ring
 from kvcanary_jax.core._constants import FailReason, InputField, InputProblem
-from pallas_kernels import hash64, layout
+from pallas_kernels import hash64, layout, prefix
 
 _RESERVED_SLOT = layout.PADDING_SLOT
 
@@ -83,12 +83,14 @@ class Rows:
     Attributes:
       active: bool[bs] rows that are requests the launches verify and write.
       span_lens: i32[bs] token entries each row owns (>= 0), active or not: the token layout stays as given.
+      span_starts: i32[bs] each row's first token entry.
       token_rows: i32[T] batch row owning each token entry; -1 past every span.
       issues: one per row (its first problem), for the FULL group's input launch.
     """
 
     active: jax.Array
     span_lens: jax.Array
+    span_starts: jax.Array
     token_rows: jax.Array
     issues: Issues
 
@@ -103,11 +105,11 @@ def check_rows(batch, *, padding: str, table_rows: int, context_len: int, token_
       table_rows, context_len: ``req_to_token``'s shape.
       token_ids_width: the expected-token pool's width when the verify-token assert is on, else None.
     """
-    rpi, prefix, extend = batch.req_pool_indices, batch.prefix_lens, batch.extend_lens
+    rpi, cached, extend = batch.req_pool_indices, batch.prefix_lens, batch.extend_lens
     num_tokens = batch.input_ids.shape[0]
     r = jnp.arange(rpi.shape[0], dtype=jnp.int32)
     span_lens = jnp.maximum(extend, 0)
-    span_ends = jnp.cumsum(span_lens)
+    span_ends = prefix.inclusive_sum(span_lens)
     token_rows = _token_rows(span_ends, num_tokens)
     if padding == "negative":
         padding_row, reserved_in_use = rpi < 0, jnp.zeros_like(rpi, bool)
@@ -118,16 +120,16 @@ def check_rows(batch, *, padding: str, table_rows: int, context_len: int, token_
             (batch.out_cache_loc > _RESERVED_SLOT) & (token_rows >= 0), token_rows, rpi.shape[0]
         )
         padding_row = rpi == 0
-        reserved_in_use = padding_row & ((prefix > 0) | writes_real_slot)
+        reserved_in_use = padding_row & ((cached > 0) | writes_real_slot)
     else:
         padding_row, reserved_in_use = jnp.zeros_like(rpi, bool), jnp.zeros_like(rpi, bool)
     lower = 1 if padding == "reserved" else 0
     checks = [  # (problem where bad, field, value, limit); the first bad one names the row
         (reserved_in_use, InputProblem.RESERVED_ROW, InputField.REQ_POOL_INDICES, rpi, -1),
         (~padding_row & ((rpi < lower) | (rpi >= table_rows)), InputProblem.OUT_OF_RANGE, InputField.REQ_POOL_INDICES, rpi, table_rows),
-        (~padding_row & (prefix < 0), InputProblem.NEGATIVE, InputField.PREFIX_LENS, prefix, -1),
+        (~padding_row & (cached < 0), InputProblem.NEGATIVE, InputField.PREFIX_LENS, cached, -1),
         (~padding_row & (extend < 0), InputProblem.NEGATIVE, InputField.EXTEND_LENS, extend, -1),
-        (~padding_row & (prefix + extend > context_len), InputProblem.PAST_CONTEXT, InputField.EXTEND_LENS, prefix + extend, context_len),
+        (~padding_row & (cached + extend > context_len), InputProblem.PAST_CONTEXT, InputField.EXTEND_LENS, cached + extend, context_len),
         (~padding_row & (span_ends > num_tokens), InputProblem.PAST_TOKENS, InputField.EXTEND_LENS, span_ends, num_tokens),
     ]  # fmt: skip
     problem, field, value, limit = (jnp.zeros_like(rpi) for _ in range(4))
@@ -143,7 +145,13 @@ def check_rows(batch, *, padding: str, table_rows: int, context_len: int, token_
         issues.append(
             Issues.of(lens_problem, InputField.TOKEN_IDS_LENS, lens, limit=token_ids_width + 1, entry=r, request=rpi)
         )
-    return Rows(active=active, span_lens=span_lens, token_rows=token_rows, issues=Issues.concat(issues))
+    return Rows(
+        active=active,
+        span_lens=span_lens,
+        span_starts=span_ends - span_lens,
+        token_rows=token_rows,
+        issues=Issues.concat(issues),
+    )
 
 
 def _token_rows(span_ends: jax.Array, num_tokens: int) -> jax.Array:
@@ -243,11 +251,8 @@ def check_group(
     loc = batch.out_cache_loc
     loc_problem = slot_problems(loc, tok_live & (loc >= 0), num_slots=full_num_slots)
     tok_request = jnp.where(tok_live, rpi[jnp.maximum(tok_row, 0)], -1)
-    position = (
-        batch.prefix_lens[jnp.maximum(tok_row, 0)]
-        + t
-        - (jnp.cumsum(rows.span_lens) - rows.span_lens)[jnp.maximum(tok_row, 0)]
-    )
+    row_of = jnp.maximum(tok_row, 0)
+    position = batch.prefix_lens[row_of] + t - rows.span_starts[row_of]
     full_loc = jnp.where(tok_live & (loc_problem == 0), loc, -1)
 
     if lut is None:
