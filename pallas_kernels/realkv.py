@@ -7,6 +7,7 @@ The fold arithmetic (:func:`fold_chunk`, :func:`fold_source_into`) is shared by 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable, Sequence
 
@@ -153,6 +154,38 @@ def slot_word_offset(source: RealKvSource, slots: jax.Array) -> tuple[jax.Array,
     return slots // source.page_size, (slots % source.page_size) * (source.num_bytes_per_token // 4)
 
 
+def _fold_step(load_chunk, i: int, row, word, chunk, acc: hash64.U64) -> hash64.U64:
+    """One chunk of source ``i``: the loop body of :func:`fold_slots`, at module level (bound with ``partial``)."""
+    return fold_chunk(acc, load_chunk(i, row, word, chunk))
+
+
+def _fold(sources, slots: jax.Array, mode: int, load_chunk) -> hash64.U64:
+    outer = zero = hash64.const(0, slots)
+    for i, src in enumerate(sources):
+        row, word = slot_word_offset(src, slots)
+        n = num_chunks(src, mode)
+        if n == 1:  # PARTIAL, or a 16-byte read: no loop
+            one = _fold_step(load_chunk, i, row, word, jnp.int32(0), zero)
+        else:
+            one = lax.fori_loop(0, n, functools.partial(_fold_step, load_chunk, i, row, word), zero)
+        outer = fold_source_into(outer, one)
+    return outer
+
+
+@functools.partial(jax.jit, static_argnames="mode")
+def _fold_jnp(sources, slots: jax.Array, mode: int) -> hash64.U64:
+    """:func:`fold_slots` from the sources' jnp word views. A jit of its own: the loop body closes over the views,
+    and ``lax.fori_loop`` caches its body by identity, so a fresh closure per caller trace would add a cache entry
+    on every trace; here one is made per shape only."""
+    views = [as_words(src.data) for src in sources]
+
+    def load_chunk(i, row, word, chunk):
+        base = word + chunk * _WORDS_PER_CHUNK
+        return tuple(views[i][row, base + k] for k in range(_WORDS_PER_CHUNK))
+
+    return _fold(sources, slots, mode, load_chunk)
+
+
 def fold_slots(
     sources: Sequence[RealKvSource],
     slots: jax.Array,
@@ -162,25 +195,11 @@ def fold_slots(
     """REAL_KV_HASH of each slot in ``slots`` (any shape); 0 when the mode is NONE or there are no sources.
 
     ``load_chunk(source_index, row, word, chunk)`` returns the 4 words of one chunk; the default gathers them
-    from the jnp word view, and a Pallas kernel passes a ref-loading function instead.
+    from the jnp word view, and a Pallas kernel passes a ref-loading function instead (kernel bodies are traced
+    once per jitted wrapper trace, so their closures are bounded the same way).
     """
-    zero = hash64.const(0, slots)
     if mode == layout.REAL_KV_NONE or not sources:
-        return zero
+        return hash64.const(0, slots)
     if load_chunk is None:
-        views = [as_words(src.data) for src in sources]
-
-        def load_chunk(i, row, word, chunk):
-            base = word + chunk * _WORDS_PER_CHUNK
-            return tuple(views[i][row, base + k] for k in range(_WORDS_PER_CHUNK))
-
-    outer = zero
-    for i, src in enumerate(sources):
-        row, word = slot_word_offset(src, slots)
-
-        def body(chunk, acc, i=i, row=row, word=word):
-            return fold_chunk(acc, load_chunk(i, row, word, chunk))
-
-        one = lax.fori_loop(0, num_chunks(src, mode), body, zero)
-        outer = fold_source_into(outer, one)
-    return outer
+        return _fold_jnp(tuple(sources), slots, mode)
+    return _fold(sources, slots, mode, load_chunk)

@@ -32,6 +32,7 @@ from kvcanary_jax.core._state import CanaryDeviceState, allocate_canary_buffer
 from kvcanary_jax.runtime import _pool, _sweep
 from kvcanary_jax.runtime._batch import CanaryBatch, CanaryState
 from pallas_kernels import checks
+from pallas_kernels.phase import api as phase_api
 
 
 @dataclasses.dataclass(frozen=True)
@@ -217,6 +218,53 @@ class KvCanary:
         self, state: CanaryState, batch: CanaryBatch, g: _pool.Group, phase: Phase, sources: _pool.KvSources
     ) -> CanaryState:
         """A HEAD or TAIL phase of group ``g``: verify each half's cached slots, then write this step's records.
+
+        Its effects are SGLang's launch sequence (verify K, write K, verify V, write V). The lower layer's fused
+        ``phase`` op runs it in three kernels (plans built in-kernel, K and V together, rows placed by the kernels);
+        backends without that op (Mosaic on TPU) run :meth:`_per_launch_phase`, with the same bytes.
+        """
+        if not phase_api.supports(self.config.backend):
+            return self._per_launch_phase(state, batch, g, phase, sources)
+        check_token = self.config.enable_verify_token_assert
+        token_pool = state.device.req_to_verify_expected_tokens if check_token else None
+        expected = self._expected_inputs(batch) or (None, None)
+        fused_batch = phase_api.Batch(
+            req_pool_indices=batch.req_pool_indices,
+            prefix_lens=batch.prefix_lens,
+            extend_lens=batch.extend_lens,
+            req_to_token=batch.req_to_token,
+            input_ids=batch.input_ids,
+            positions=batch.positions,
+            out_cache_loc=batch.out_cache_loc,
+            full_to_swa_index_mapping=batch.full_to_swa_index_mapping if g.window else None,
+            token_pool=token_pool,
+            token_pool_lens=batch.token_ids_lens if check_token else None,
+            expected_input_ids=expected[0],
+            expected_input_positions=expected[1],
+        )
+        buffers = state.buffers(g)
+        device, new_buffers, enable = _ops.fused_phase(
+            state.device,
+            tuple(buffers.buffer(phase, h) for h in self.halves),
+            fused_batch,
+            tags=tuple(int(g.tag(phase, h)) for h in self.halves),
+            real_kv_sources=tuple(sources.get(g, h) for h in self.halves),
+            real_kv_hash_mode=self.config.real_kv_hash_mode,
+            verify_capacity=g.verify_capacity,
+            window=g.window,
+            token_offset=self.pool.kv_token_id_vs_position_offset,
+            backend=self.config.backend,
+        )
+        for h, buf in zip(self.halves, new_buffers, strict=True):
+            buffers = buffers.with_buffer(phase, h, buf)
+        # Only the HEAD phase counts overflows: the TAIL phase rebuilds the identical plan.
+        overflows = state.verify_overflows + (1 - enable if phase is Phase.HEAD else 0)
+        return dataclasses.replace(state, device=device, verify_overflows=overflows, **{g.name: buffers})
+
+    def _per_launch_phase(
+        self, state: CanaryState, batch: CanaryBatch, g: _pool.Group, phase: Phase, sources: _pool.KvSources
+    ) -> CanaryState:
+        """:meth:`_forward_phase` from the per-launch ops (the path of backends without a fused phase).
 
         Every verify reads its buffer before any write of the phase; their rows come out of one prefix sum and are
         gathered before the in-place stores, and all rows land in the ring at once, in SGLang's launch order
