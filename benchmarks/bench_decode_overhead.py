@@ -452,8 +452,13 @@ def profile_steps(step, carry, steps: int, label: str, out: str) -> tuple[dict, 
         "canary_device_us": sum(per_op.values()),
         "profile_source": "device" if device_pids else "host",
     }
-    lines = [f"## {label}", "", f"{stats['canary_kernels']:.0f} kernels and {stats['canary_device_us']:.1f} µs of "
-             f"device time per step ({steps} steps, {stats['profile_source']} streams)", ""]  # fmt: skip
+    lines = [
+        f"## {label}",
+        "",
+        f"{stats['canary_kernels']:.0f} kernels and {stats['canary_device_us']:.1f} µs of "
+        f"device time per step ({steps} steps, {stats['profile_source']} streams)",
+        "",
+    ]
     lines += ["| µs/step | per step | op |", "|---|---|---|"]
     lines += [f"| {us:.1f} | {count[op]:.0f} | `{op[:110]}` |" for op, us in per_op.most_common(40)]
     with open(os.path.join(out, "profiles.md"), "a") as f:
@@ -563,8 +568,16 @@ def main() -> None:
     results = []
     with open(os.path.join(args.out, "decode_overhead.jsonl"), "w") as log:
         groups = [list(g) for _, g in itertools.groupby(points, key=lambda p: (p.kind, p.bs, p.ctx))]
-        shown = ("overhead_pct", "violations", "hlo_copies", "hlo_copies_off", "canary_only_s", "canary_kernels",
-                 "canary_device_us", "roofline_fraction")  # fmt: skip
+        shown = (
+            "overhead_pct",
+            "violations",
+            "hlo_copies",
+            "hlo_copies_off",
+            "canary_only_s",
+            "canary_kernels",
+            "canary_device_us",
+            "roofline_fraction",
+        )
         for i, group in enumerate(groups):
             start = time.perf_counter()
             for result in run_group(group, params, pool, shape, args, bandwidth):

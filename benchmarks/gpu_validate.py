@@ -27,14 +27,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "pallas_k
 import kernel_cases as cases  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tests.pallas_kernels import phase_cases  # noqa: E402
-
 import kvcanary_jax as kc  # noqa: E402
 from pallas_kernels import compat, realkv  # noqa: E402
 from pallas_kernels.phase import api as phase_api  # noqa: E402
 from pallas_kernels.verify import api as verify_api  # noqa: E402
 from pallas_kernels.verify import pallas_triton as verify_triton  # noqa: E402
 from pallas_kernels.write import api as write_api  # noqa: E402
+from tests.pallas_kernels import phase_cases  # noqa: E402
 
 warnings.filterwarnings("ignore", message="The Pallas Triton backend is deprecated")
 BACKEND = "pallas" if jax.default_backend() == "gpu" else "interpret"
@@ -252,9 +251,19 @@ def x64_case():
 
 @functools.partial(jax.jit, static_argnames=("tags", "shape", "backend"))
 def _phase(buffers, log, batch, cpa, sources, *, tags, shape, backend):
-    return phase_api.phase(buffers, log, batch, cpa, tags=tags, real_kv_sources=sources, real_kv_hash_mode=shape.mode,
-                           verify_capacity=shape.capacity, window=shape.window, token_offset=shape.token_offset,
-                           backend=backend)  # fmt: skip
+    return phase_api.phase(
+        buffers,
+        log,
+        batch,
+        cpa,
+        tags=tags,
+        real_kv_sources=sources,
+        real_kv_hash_mode=shape.mode,
+        verify_capacity=shape.capacity,
+        window=shape.window,
+        token_offset=shape.token_offset,
+        backend=backend,
+    )
 
 
 def phase_case(shape, runs):
@@ -304,10 +313,15 @@ def runner_paths(bs: int, ctx: int, steps: int = 3):
             ids = rng.integers(0, 1000, n).astype(np.int32)
             expected = np.where(rng.random(n) < 0.01, ids + 1, ids).astype(np.int32)
             return kc.CanaryBatch(
-                jnp.arange(1, bs + 1, dtype=jnp.int32), jnp.full((bs,), prefix, jnp.int32),
-                jnp.full((bs,), extend, jnp.int32), req_to_token, jnp.asarray(ids), jnp.asarray(positions, jnp.int32),
-                jnp.asarray(loc, jnp.int32), expected_input_ids=jnp.asarray(expected),
-            )  # fmt: skip
+                jnp.arange(1, bs + 1, dtype=jnp.int32),
+                jnp.full((bs,), prefix, jnp.int32),
+                jnp.full((bs,), extend, jnp.int32),
+                req_to_token,
+                jnp.asarray(ids),
+                jnp.asarray(positions, jnp.int32),
+                jnp.asarray(loc, jnp.int32),
+                expected_input_ids=jnp.asarray(expected),
+            )
 
         def step_fn(canary):
             def step(state, b, kv):
@@ -438,19 +452,50 @@ def main() -> None:
         case("phase decode (quick)", phase_case(decode, floods + primed + overflow))
         case("runner fused vs per-launch (quick)", runner_paths(4, 64))
     else:
-        decode = phase_cases.Shape(num_slots=300_000, num_reqs=256, max_len=1024, num_tokens=770, capacity=256_000,
-                                   **kv)  # fmt: skip
+        decode = phase_cases.Shape(
+            num_slots=300_000, num_reqs=256, max_len=1024, num_tokens=770, capacity=256_000, **kv
+        )
         case("phase decode 256x1K PARTIAL K+V, asserts", phase_case(decode, floods[:3] + primed + overflow))
-        long = phase_cases.Shape(num_slots=600_000, num_reqs=64, max_len=8192, num_tokens=64, capacity=524_288,
-                                 mode=2, sources=(BF16_P16,), ring_capacity=1024)  # fmt: skip
+        long = phase_cases.Shape(
+            num_slots=600_000,
+            num_reqs=64,
+            max_len=8192,
+            num_tokens=64,
+            capacity=524_288,
+            mode=2,
+            sources=(BF16_P16,),
+            ring_capacity=1024,
+        )
         case("phase decode 64x8K ALL K+V", phase_case(long, floods[:2] + primed[:1]))
-        swa = phase_cases.Shape(num_slots=100_000, num_reqs=64, max_len=2048, num_tokens=130, capacity=65_536,
-                                halves=1, swa_slots=40_000, window=128, mode=2, sources=(FP8_P1,), token_check=True,
-                                input_assert=True, token_offset=1, ring_capacity=1024)  # fmt: skip
+        swa = phase_cases.Shape(
+            num_slots=100_000,
+            num_reqs=64,
+            max_len=2048,
+            num_tokens=130,
+            capacity=65_536,
+            halves=1,
+            swa_slots=40_000,
+            window=128,
+            mode=2,
+            sources=(FP8_P1,),
+            token_check=True,
+            input_assert=True,
+            token_offset=1,
+            ring_capacity=1024,
+        )
         case("phase SWA K only ALL fp8, window 128", phase_case(swa, floods[:2] + primed[:1]))
-        prefill = phase_cases.Shape(num_slots=100_000, num_reqs=8, max_len=2048, num_tokens=4800, capacity=16_384,
-                                    mode=1, sources=(BF16_P16,), max_extend=600, input_assert=True,
-                                    ring_capacity=1024)  # fmt: skip
+        prefill = phase_cases.Shape(
+            num_slots=100_000,
+            num_reqs=8,
+            max_len=2048,
+            num_tokens=4800,
+            capacity=16_384,
+            mode=1,
+            sources=(BF16_P16,),
+            max_extend=600,
+            input_assert=True,
+            ring_capacity=1024,
+        )
         case("phase prefill 8x600 (sort winner rule)", phase_case(prefill, floods[:2] + primed[:1]))
         case("runner fused vs per-launch 64x1K, no copies", runner_paths(64, 1024))
     total = RESULTS["pass"] + RESULTS["fail"]

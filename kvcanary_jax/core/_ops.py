@@ -245,8 +245,9 @@ def fused_phase(
     log = device.violation_log
     new_buffers, out, enable = phase_api.phase(
         buffers,
-        phase_api.Log(log.violation_ring, log.violation_write_index, device.kernel_run_counters,
-                      device.slot_run_counters),  # fmt: skip
+        phase_api.Log(
+            log.violation_ring, log.violation_write_index, device.kernel_run_counters, device.slot_run_counters
+        ),
         batch,
         device.enable_chain_position_assert,
         tags=tags,

@@ -207,8 +207,15 @@ class KvCanary:
             if group_plan is None:
                 raise ValueError(f"the sweep plan has no {g.name.upper()} plan but the pool has that group")
             for half in self.halves:
-                launch = self._verify(state.buffers(g).buffer(Phase.SWEEP, half), group_plan, g, Phase.SWEEP, half,
-                                      kv_cache_sources, check_expected_token=False)  # fmt: skip
+                launch = self._verify(
+                    state.buffers(g).buffer(Phase.SWEEP, half),
+                    group_plan,
+                    g,
+                    Phase.SWEEP,
+                    half,
+                    kv_cache_sources,
+                    check_expected_token=False,
+                )
                 device = _ops.commit(device, launch)
         return dataclasses.replace(state, device=device)
 

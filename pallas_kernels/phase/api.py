@@ -30,8 +30,11 @@ def supports(backend: str) -> bool:
 def _check_batch(batch: Batch) -> tuple[int, int]:
     if not isinstance(batch, Batch):
         raise TypeError(f"batch must be a pallas_kernels.phase.api.Batch; got {type(batch).__name__}")
-    requests = {"req_pool_indices": batch.req_pool_indices, "prefix_lens": batch.prefix_lens,
-                "extend_lens": batch.extend_lens}  # fmt: skip
+    requests = {
+        "req_pool_indices": batch.req_pool_indices,
+        "prefix_lens": batch.prefix_lens,
+        "extend_lens": batch.extend_lens,
+    }
     for name, x in requests.items():
         checks.array(f"batch.{name}", x, dtype=jnp.int32, ndim=1)
     num_reqs = checks.same_length(requests)
@@ -40,10 +43,14 @@ def _check_batch(batch: Batch) -> tuple[int, int]:
     checks.array("batch.req_to_token", batch.req_to_token, dtype=jnp.int32, ndim=2)
     tokens = {"input_ids": batch.input_ids, "positions": batch.positions, "out_cache_loc": batch.out_cache_loc}
     if (batch.expected_input_ids is None) != (batch.expected_input_positions is None):
-        raise ValueError("batch.expected_input_ids and batch.expected_input_positions turn on the input assert together")
+        raise ValueError(
+            "batch.expected_input_ids and batch.expected_input_positions turn on the input assert together"
+        )
     if batch.expected_input_ids is not None:
-        tokens |= {"expected_input_ids": batch.expected_input_ids,
-                   "expected_input_positions": batch.expected_input_positions}  # fmt: skip
+        tokens |= {
+            "expected_input_ids": batch.expected_input_ids,
+            "expected_input_positions": batch.expected_input_positions,
+        }
     for name, x in tokens.items():
         checks.array(f"batch.{name}", x, dtype=jnp.int32, ndim=1)
     num_tokens = checks.same_length(tokens)
@@ -122,7 +129,13 @@ def phase(
     num_tags = log.kernel_run_counters.shape[0]
     if not isinstance(tags, (tuple, list)) or len(tags) != len(buffers) or len(set(tags)) != len(tags):
         raise ValueError(f"tags must hold one distinct launch tag per buffer; got {tags=} for {len(buffers)} buffers")
-    tags = tuple(checks.static_int("tags[i]", int(t) if isinstance(t, int) else t, maximum=num_tags) for t in tags)
+    # int(): a CanaryLaunchTag becomes a plain int; a bool stays, so static_int rejects it.
+    tags = tuple(
+        checks.static_int(
+            f"tags[{h}]", t if isinstance(t, bool) or not isinstance(t, int) else int(t), maximum=num_tags
+        )
+        for h, t in enumerate(tags)
+    )
     real_kv_sources = real_kv_sources if real_kv_sources is not None else ((),) * len(buffers)
     if not isinstance(real_kv_sources, (tuple, list)) or len(real_kv_sources) != len(buffers):
         raise ValueError(f"real_kv_sources must hold one tuple of sources per buffer; got {real_kv_sources!r:.80}")
@@ -136,12 +149,18 @@ def phase(
     checks.static_int("token_offset", token_offset, minimum=-(2**31))
     if window > 0 and batch.full_to_swa_index_mapping is None:
         raise ValueError(f"window={window} needs batch.full_to_swa_index_mapping (the full->SWA LUT)")
-    kwargs = dict(tags=tags, real_kv_hash_mode=real_kv_hash_mode, verify_capacity=verify_capacity, window=window,
-                  token_offset=token_offset)  # fmt: skip
+    kwargs = dict(
+        tags=tags,
+        real_kv_hash_mode=real_kv_hash_mode,
+        verify_capacity=verify_capacity,
+        window=window,
+        token_offset=token_offset,
+    )
     name = backends.resolve(backend)  # raises for a backend that cannot run here
     if name == "xla":
-        return reference.phase(buffers, log, batch, enable_chain_position_assert, real_kv_sources=real_kv_sources,
-                               **kwargs)  # fmt: skip
+        return reference.phase(
+            buffers, log, batch, enable_chain_position_assert, real_kv_sources=real_kv_sources, **kwargs
+        )
     if not supports(backend):
         raise NotImplementedError(
             f"the fused phase has Triton kernels only (backend 'pallas' on GPU, or 'interpret') and 'xla'; got "
@@ -150,5 +169,6 @@ def phase(
     for h, sources in enumerate(real_kv_sources):
         for i, src in enumerate(sources):
             kernel_io.check_kv_dtype(src.data.dtype, f"real_kv_sources[{h}][{i}].data")
-    return pallas_triton.phase(buffers, log, batch, enable_chain_position_assert, real_kv_sources,
-                               interpret=name == "interpret", **kwargs)  # fmt: skip
+    return pallas_triton.phase(
+        buffers, log, batch, enable_chain_position_assert, real_kv_sources, interpret=name == "interpret", **kwargs
+    )

@@ -262,7 +262,9 @@ def _place_write_rows(inp, h: int, r, rel, index, room, outs, ring_ref, st: tc.S
         if st.has_inputs:
             ok = (has_input != 0) & (first < room)
             aux = hash64.from_i32(tc.load(inp.exp_pos, i, m))
-            fields = common.write_row(tag, slot, position, token, tc.load(inp.exp_ids, i, m), prev_hash, aux, input_bits)
+            fields = common.write_row(
+                tag, slot, position, token, tc.load(inp.exp_ids, i, m), prev_hash, aux, input_bits
+            )
             tc.store_row(ring_ref, jnp.where(ok, index + first, capacity), ok, fields)
         k = first + has_input
         ok = (has_chain != 0) & (k < room)

@@ -32,19 +32,34 @@ def _device(log, cpa, batch):
 def _per_launch(buffers, log, batch, cpa, sources, *, tags, shape, backend):
     b = batch
     vplan, wplan = kc.build_plans(
-        b.req_pool_indices, b.prefix_lens, b.extend_lens, b.req_to_token, verify_capacity=shape.capacity,
-        write_req_capacity=b.req_pool_indices.shape[0], swa_window_size=shape.window,
-        full_to_swa_index_mapping=b.full_to_swa_index_mapping, req_to_verify_expected_tokens=b.token_pool,
-        expected_tokens_valid_lens=b.token_pool_lens, kv_token_id_vs_position_offset=shape.token_offset,
-    )  # fmt: skip
+        b.req_pool_indices,
+        b.prefix_lens,
+        b.extend_lens,
+        b.req_to_token,
+        verify_capacity=shape.capacity,
+        write_req_capacity=b.req_pool_indices.shape[0],
+        swa_window_size=shape.window,
+        full_to_swa_index_mapping=b.full_to_swa_index_mapping,
+        req_to_verify_expected_tokens=b.token_pool,
+        expected_tokens_valid_lens=b.token_pool_lens,
+        kv_token_id_vs_position_offset=shape.token_offset,
+    )
     loc = translate(b.out_cache_loc, b.full_to_swa_index_mapping)
     device, out = _device(log, cpa, b), []
     for buf, tag, src in zip(buffers, tags, sources, strict=True):
         common = dict(tag=tag, real_kv_sources=src, real_kv_hash_mode=shape.mode, backend=backend)
         device = kc.canary_verify(device, buf, vplan, check_expected_token=shape.token_check, **common)
-        buf, device = kc.canary_write(device, buf, wplan, b.input_ids, b.positions, loc,
-                                      expected_input_tokens=b.expected_input_ids,
-                                      expected_input_positions=b.expected_input_positions, **common)  # fmt: skip
+        buf, device = kc.canary_write(
+            device,
+            buf,
+            wplan,
+            b.input_ids,
+            b.positions,
+            loc,
+            expected_input_tokens=b.expected_input_ids,
+            expected_input_positions=b.expected_input_positions,
+            **common,
+        )
         out.append(buf)
     return device, tuple(out), vplan.enable
 
@@ -52,10 +67,17 @@ def _per_launch(buffers, log, batch, cpa, sources, *, tags, shape, backend):
 @functools.partial(jax.jit, static_argnames=("tags", "shape", "backend"))
 def _fused(buffers, log, batch, cpa, sources, *, tags, shape, backend):
     return _ops.fused_phase(
-        _device(log, cpa, batch), buffers, batch, tags=tags, real_kv_sources=sources,
-        real_kv_hash_mode=kc.RealKvHashMode(shape.mode), verify_capacity=shape.capacity, window=shape.window,
-        token_offset=shape.token_offset, backend=backend,
-    )  # fmt: skip
+        _device(log, cpa, batch),
+        buffers,
+        batch,
+        tags=tags,
+        real_kv_sources=sources,
+        real_kv_hash_mode=kc.RealKvHashMode(shape.mode),
+        verify_capacity=shape.capacity,
+        window=shape.window,
+        token_offset=shape.token_offset,
+        backend=backend,
+    )
 
 
 @pytest.mark.parametrize("name", list(VARIANTS))

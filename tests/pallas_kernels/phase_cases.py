@@ -44,9 +44,15 @@ class Shape:
 
 
 def make_case(
-    seed: int, shape: Shape, *, ring_start: str = "mid", overflow: bool = False, primed: bool = False,
-    corrupt: float = 0.05, clean_seeds: bool = False,
-):  # fmt: skip
+    seed: int,
+    shape: Shape,
+    *,
+    ring_start: str = "mid",
+    overflow: bool = False,
+    primed: bool = False,
+    corrupt: float = 0.05,
+    clean_seeds: bool = False,
+):
     """``(buffers, log, batch, enable_chain_position_assert, sources, tags)`` for ``pallas_kernels.phase``.
 
     ``primed`` writes every cached position's record first (a prefill through ``reference.phase``) and then
@@ -137,8 +143,16 @@ def make_case(
 
 @functools.partial(jax.jit, static_argnames=("tags", "mode"))
 def _prefill(buffers, log, batch, sources, *, tags, mode):
-    return reference.phase(buffers, log, batch, jnp.zeros((1,), jnp.int32), tags=tags, real_kv_sources=sources,
-                           real_kv_hash_mode=mode, verify_capacity=1)[0]  # fmt: skip
+    return reference.phase(
+        buffers,
+        log,
+        batch,
+        jnp.zeros((1,), jnp.int32),
+        tags=tags,
+        real_kv_sources=sources,
+        real_kv_hash_mode=mode,
+        verify_capacity=1,
+    )[0]
 
 
 def _prime(rng, s: Shape, buffers, batch: common.Batch, sources, tags, corrupt: float):
@@ -156,11 +170,21 @@ def _prime(rng, s: Shape, buffers, batch: common.Batch, sources, tags, corrupt: 
     n = s.num_reqs * s.max_len
     pad = lambda xs, fill: jnp.asarray(np.asarray(xs + [fill] * (n - len(xs)), np.int32))  # noqa: E731
     prefill = common.Batch(
-        batch.req_pool_indices, jnp.zeros_like(batch.prefix_lens), batch.prefix_lens, batch.req_to_token,
-        pad(ids, 0), pad(positions, 0), pad(loc, -1), batch.full_to_swa_index_mapping,
-    )  # fmt: skip
-    log = common.Log(jnp.zeros((1, 8, 2), jnp.uint32), jnp.zeros((1,), jnp.int32), jnp.zeros((12, 2), jnp.uint32),
-                     jnp.zeros((12, 2), jnp.uint32))  # fmt: skip
+        batch.req_pool_indices,
+        jnp.zeros_like(batch.prefix_lens),
+        batch.prefix_lens,
+        batch.req_to_token,
+        pad(ids, 0),
+        pad(positions, 0),
+        pad(loc, -1),
+        batch.full_to_swa_index_mapping,
+    )
+    log = common.Log(
+        jnp.zeros((1, 8, 2), jnp.uint32),
+        jnp.zeros((1,), jnp.int32),
+        jnp.zeros((12, 2), jnp.uint32),
+        jnp.zeros((12, 2), jnp.uint32),
+    )
     primed = []
     for buf in _prefill(buffers, log, prefill, sources, tags=tags, mode=s.mode):
         raw = np.asarray(buf).copy()

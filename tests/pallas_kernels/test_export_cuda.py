@@ -168,27 +168,50 @@ def _phase_args(tokens, *, swa: bool):
     num_slots = 400 if swa else NUM_SLOTS
     log = phase_common.Log(S((64, 8, 2), jnp.uint32), i32(1), S((12, 2), jnp.uint32), S((12, 2), jnp.uint32))
     batch = phase_common.Batch(
-        i32(REQS), i32(REQS), i32(REQS), i32(REQS + 1, 40), i32(tokens), i32(tokens), i32(tokens),
-        i32(NUM_SLOTS + 1) if swa else None, i32(REQS + 1, 40), i32(REQS), i32(tokens), i32(tokens),
-    )  # fmt: skip
+        i32(REQS),
+        i32(REQS),
+        i32(REQS),
+        i32(REQS + 1, 40),
+        i32(tokens),
+        i32(tokens),
+        i32(tokens),
+        i32(NUM_SLOTS + 1) if swa else None,
+        i32(REQS + 1, 40),
+        i32(REQS),
+        i32(tokens),
+        i32(tokens),
+    )
     buffers = (S((num_slots, 4, 2), jnp.uint32),) * 2
     return buffers, log, batch, i32(1)
 
 
-@pytest.mark.parametrize("tokens,swa", [(TOKENS, True), (write_triton.PAIRWISE_MAX_TOKENS + 1, False)],
-                         ids=["pairwise_swa", "sort"])  # fmt: skip
+@pytest.mark.parametrize(
+    "tokens,swa", [(TOKENS, True), (write_triton.PAIRWISE_MAX_TOKENS + 1, False)], ids=["pairwise_swa", "sort"]
+)
 def test_phase_lowers(tokens, swa):
     buffers, log, batch, cpa = _phase_args(tokens, swa=swa)
     sources = tuple(
-        tuple(dataclasses.replace(s, data=S((-(-buffers[0].shape[0] // s.page_size), *s.data.shape[1:]), s.data.dtype))
-              for s in _sources(*dtypes))
+        tuple(
+            dataclasses.replace(s, data=S((-(-buffers[0].shape[0] // s.page_size), *s.data.shape[1:]), s.data.dtype))
+            for s in _sources(*dtypes)
+        )
         for dtypes in ((jnp.bfloat16,), (jnp.float8_e4m3fn, jnp.int8))
-    )  # fmt: skip
+    )
 
     def fn(buffers, log, batch, cpa, sources):
-        return phase_api.phase(buffers, log, batch, cpa, tags=(8, 9) if swa else (2, 3), real_kv_sources=sources,
-                               real_kv_hash_mode=2, verify_capacity=CAPACITY, window=6 if swa else 0,
-                               token_offset=1, backend="pallas")  # fmt: skip
+        return phase_api.phase(
+            buffers,
+            log,
+            batch,
+            cpa,
+            tags=(8, 9) if swa else (2, 3),
+            real_kv_sources=sources,
+            real_kv_hash_mode=2,
+            verify_capacity=CAPACITY,
+            window=6 if swa else 0,
+            token_offset=1,
+            backend="pallas",
+        )
 
     text = _export(jax.jit(fn, donate_argnums=(0, 1)), buffers, log, batch, cpa, sources)
     assert text.count(compat.TRITON_CUSTOM_CALL_TARGET) == 3

@@ -19,9 +19,15 @@ VARIANTS = {
     "head_kv_input_assert": Shape(input_assert=True, ring_capacity=32),
     "tail_kv_all_token_check": Shape(mode=2, sources=(BF16_P4, I8_P16), token_check=True, ring_capacity=64),
     "swa_k_partial_everything": Shape(
-        halves=1, swa_slots=32, window=5, mode=1, sources=(F8_P1,), token_check=True, input_assert=True,
+        halves=1,
+        swa_slots=32,
+        window=5,
+        mode=1,
+        sources=(F8_P1,),
+        token_check=True,
+        input_assert=True,
         token_offset=1,
-    ),  # fmt: skip
+    ),
 }
 # Small blocks and chunks: many programs, every in-kernel loop runs several (and > 8, i.e. looped) steps.
 TINY_BLOCKS = pallas_triton.Config(
@@ -32,8 +38,13 @@ MANY = Shape(num_reqs=20, max_len=10, num_tokens=30, capacity=80, ring_capacity=
 
 @functools.partial(jax.jit, static_argnames=("tags", "shape", "backend", "config"))
 def _phase(buffers, log, batch, cpa, sources, *, tags, shape, backend, config=None):
-    kwargs = dict(tags=tags, real_kv_hash_mode=shape.mode, verify_capacity=shape.capacity, window=shape.window,
-                  token_offset=shape.token_offset)  # fmt: skip
+    kwargs = dict(
+        tags=tags,
+        real_kv_hash_mode=shape.mode,
+        verify_capacity=shape.capacity,
+        window=shape.window,
+        token_offset=shape.token_offset,
+    )
     if config is not None:
         return pallas_triton.phase(buffers, log, batch, cpa, sources, interpret=True, config=config, **kwargs)
     return api.phase(buffers, log, batch, cpa, real_kv_sources=sources, backend=backend, **kwargs)
@@ -104,12 +115,24 @@ def test_a_clean_prefill_then_decode_is_silent():
     req_to_token = jnp.concatenate([jnp.zeros((1, 8), jnp.int32), req_to_token])
     rows = jnp.arange(1, 4, dtype=jnp.int32)
     cpa = jnp.ones((1,), jnp.int32)
-    prefill = common.Batch(rows, jnp.zeros(3, jnp.int32), jnp.full(3, 4, jnp.int32), req_to_token,
-                           jnp.arange(12, dtype=jnp.int32) * 7, jnp.tile(jnp.arange(4, dtype=jnp.int32), 3),
-                           req_to_token[1:, :4].reshape(-1))  # fmt: skip
-    decode = common.Batch(rows, jnp.full(3, 4, jnp.int32), jnp.ones(3, jnp.int32), req_to_token,
-                          jnp.zeros(12, jnp.int32), jnp.full(12, 4, jnp.int32),
-                          jnp.concatenate([req_to_token[1:, 4], jnp.full(9, -1, jnp.int32)]))  # fmt: skip
+    prefill = common.Batch(
+        rows,
+        jnp.zeros(3, jnp.int32),
+        jnp.full(3, 4, jnp.int32),
+        req_to_token,
+        jnp.arange(12, dtype=jnp.int32) * 7,
+        jnp.tile(jnp.arange(4, dtype=jnp.int32), 3),
+        req_to_token[1:, :4].reshape(-1),
+    )
+    decode = common.Batch(
+        rows,
+        jnp.full(3, 4, jnp.int32),
+        jnp.ones(3, jnp.int32),
+        req_to_token,
+        jnp.zeros(12, jnp.int32),
+        jnp.full(12, 4, jnp.int32),
+        jnp.concatenate([req_to_token[1:, 4], jnp.full(9, -1, jnp.int32)]),
+    )
     for backend in ("xla", "interpret"):
         state = (buffers, log)
         for batch in (prefill, decode):
@@ -122,8 +145,9 @@ def test_a_clean_prefill_then_decode_is_silent():
 def test_api_checks_teach():
     shape = VARIANTS["head_kv_input_assert"]
     buffers, log, batch, cpa, sources, tags = make_case(0, shape)
-    call = functools.partial(api.phase, log=log, batch=batch, enable_chain_position_assert=cpa, verify_capacity=8,
-                             backend="xla")  # fmt: skip
+    call = functools.partial(
+        api.phase, log=log, batch=batch, enable_chain_position_assert=cpa, verify_capacity=8, backend="xla"
+    )
     with pytest.raises(ValueError, match="one distinct launch tag per buffer"):
         call(buffers, tags=(2,))
     with pytest.raises(ValueError, match="same num_slots"):
@@ -131,8 +155,14 @@ def test_api_checks_teach():
     with pytest.raises(ValueError, match="window=3 needs batch.full_to_swa_index_mapping"):
         call(buffers, tags=tags, window=3)
     with pytest.raises(TypeError, match="batch.input_ids must have dtype int32"):
-        api.phase(buffers, log, batch._replace(input_ids=batch.input_ids.astype(jnp.uint32)), cpa, tags=tags,
-                  verify_capacity=8)  # fmt: skip
+        api.phase(
+            buffers,
+            log,
+            batch._replace(input_ids=batch.input_ids.astype(jnp.uint32)),
+            cpa,
+            tags=tags,
+            verify_capacity=8,
+        )
     assert api.supports("auto") and api.supports("interpret")
     if jax.default_backend() != "gpu":
         assert not api.supports("pallas")
@@ -149,15 +179,45 @@ def test_reference_plan_is_build_plans():
         _, _, b, *_ = make_case(seed, shape, overflow=seed == 2)
         plan = reference.build_plan(b, capacity=shape.capacity, window=shape.window, token_offset=1)
         vplan, wplan = kc.build_plans(
-            b.req_pool_indices, b.prefix_lens, b.extend_lens, b.req_to_token, verify_capacity=shape.capacity,
-            write_req_capacity=b.req_pool_indices.shape[0], swa_window_size=shape.window,
-            full_to_swa_index_mapping=b.full_to_swa_index_mapping, req_to_verify_expected_tokens=b.token_pool,
-            expected_tokens_valid_lens=b.token_pool_lens, kv_token_id_vs_position_offset=1,
-        )  # fmt: skip
+            b.req_pool_indices,
+            b.prefix_lens,
+            b.extend_lens,
+            b.req_to_token,
+            verify_capacity=shape.capacity,
+            write_req_capacity=b.req_pool_indices.shape[0],
+            swa_window_size=shape.window,
+            full_to_swa_index_mapping=b.full_to_swa_index_mapping,
+            req_to_verify_expected_tokens=b.token_pool,
+            expected_tokens_valid_lens=b.token_pool_lens,
+            kv_token_id_vs_position_offset=1,
+        )
         chex.assert_trees_all_equal(
             (plan.slot_indices, plan.expected_tokens, plan.expected_positions, plan.prev_slot_indices, plan.enable),
-            (vplan.slot_indices, vplan.expected_tokens, vplan.expected_positions, vplan.prev_slot_indices,
-             vplan.enable),
-        )  # fmt: skip
-        chex.assert_trees_all_equal((plan.write_offsets, plan.seed_slot_indices),
-                                    (wplan.write_offsets, wplan.seed_slot_indices))  # fmt: skip
+            (
+                vplan.slot_indices,
+                vplan.expected_tokens,
+                vplan.expected_positions,
+                vplan.prev_slot_indices,
+                vplan.enable,
+            ),
+        )
+        chex.assert_trees_all_equal(
+            (plan.write_offsets, plan.seed_slot_indices), (wplan.write_offsets, wplan.seed_slot_indices)
+        )
+
+
+def test_real_kv_fold_traces_its_loop_once_per_shape():
+    """``realkv.fold_slots``' jnp loop is traced once per shape, not once per caller trace (issue 16)."""
+    from jax._src.lax.control_flow import loops  # private: skip where jax moved it
+
+    from pallas_kernels import realkv
+
+    body_cache = getattr(loops, "_fori_scan_body_fun", None)
+    if not hasattr(body_cache, "cache_info"):
+        pytest.skip("this jax has no _fori_scan_body_fun cache to inspect")
+    sources = (realkv.RealKvSource(jnp.zeros((8, 4, 32), jnp.bfloat16), page_size=4),)  # ALL: 4 chunks, a loop
+    slots = jnp.arange(16, dtype=jnp.int32)
+    before = body_cache.cache_info().misses
+    for i in range(5):  # five fresh caller traces
+        jax.jit(lambda s, x, i=i: realkv.fold_slots(s, x + i, 2)).lower(sources, slots)
+    assert body_cache.cache_info().misses - before <= 1
