@@ -516,11 +516,11 @@ def plot(results, path):
                 key = (r["ctx"], r.get("path", "fused"), r.get("fence", True))
                 series[key].append((r["bs"], r["overhead_pct"], *r["overhead_range"]))
     color = {ctx: f"C{i}" for i, ctx in enumerate(sorted({key[0] for key in series}))}
-    for (ctx, path, fenced), pts in sorted(series.items()):
+    for (ctx, route, fenced), pts in sorted(series.items()):
         bs, mid, low, high = (np.array(column) for column in zip(*sorted(pts), strict=True))
-        label = f"decode, context {ctx}" + ("" if path == "fused" else f", {path} (before)")
+        label = f"decode, context {ctx}" + ("" if route == "fused" else f", {route} (before)")
         label += "" if fenced else ", no fence"
-        fmt = "o-" if path == "fused" else "s:"
+        fmt = "o-" if route == "fused" else "s:"
         ax.errorbar(bs, mid, yerr=[mid - low, high - mid], label=label, fmt=fmt, capsize=3, color=color[ctx])
     ax.axhline(1.0, color="grey", ls="--", lw=0.8, label="1% budget")
     ax.set_xscale("log", base=2)
