@@ -390,6 +390,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("."))
     parser.add_argument("--quick", action="store_true", help="CPU smoke run: tiny sizes")
     parser.add_argument("--cases", nargs="+", default=[], help="run only cases whose name contains one of these")
+    parser.add_argument("--big", action="store_true", help="also the 64 x 8K fused-phase case (slow to set up)")
     args = parser.parse_args()
     SELECTED.extend(args.cases)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -398,6 +399,63 @@ def main() -> None:
     mid = dict(num_slots=300_000, num_reqs=256, max_len=1024)
     if args.quick:
         big = mid = dict(num_slots=3000, num_reqs=8, max_len=64)
+    # The fused phase first: the newest kernels; the per-op cases below compile the xla write slowly.
+    floods = [(s, dict(ring_start=r)) for s, r in enumerate(phase_cases.RING_STARTS)]
+    primed = [(10 + s, dict(ring_start="empty", primed=True, corrupt=c)) for s, c in enumerate((0.0005, 0.002))]
+    overflow = [(20, dict(overflow=True))]
+    kv = dict(mode=1, sources=(BF16_P16,), input_assert=True, token_check=True, ring_capacity=1024)
+    if args.quick:
+        decode = phase_cases.Shape(num_slots=3000, num_reqs=8, max_len=64, num_tokens=24, capacity=500, **kv)
+        case("phase decode (quick)", phase_case(decode, floods + primed + overflow))
+        case("runner fused vs per-launch (quick)", runner_paths(4, 64))
+    else:
+        decode = phase_cases.Shape(
+            num_slots=300_000, num_reqs=256, max_len=1024, num_tokens=770, capacity=256_000, **kv
+        )
+        case("phase decode 256x1K PARTIAL K+V, asserts", phase_case(decode, floods[:3] + primed + overflow))
+        long = phase_cases.Shape(
+            num_slots=600_000,
+            num_reqs=64,
+            max_len=8192,
+            num_tokens=64,
+            capacity=524_288,
+            mode=2,
+            sources=(BF16_P16,),
+            ring_capacity=1024,
+        )
+        if args.big:
+            case("phase decode 64x8K ALL K+V", phase_case(long, floods[:2] + primed[:1]))
+        swa = phase_cases.Shape(
+            num_slots=100_000,
+            num_reqs=64,
+            max_len=2048,
+            num_tokens=130,
+            capacity=65_536,
+            halves=1,
+            swa_slots=40_000,
+            window=128,
+            mode=2,
+            sources=(FP8_P1,),
+            token_check=True,
+            input_assert=True,
+            token_offset=1,
+            ring_capacity=1024,
+        )
+        case("phase SWA K only ALL fp8, window 128", phase_case(swa, floods[:2] + primed[:1]))
+        prefill = phase_cases.Shape(
+            num_slots=100_000,
+            num_reqs=8,
+            max_len=2048,
+            num_tokens=4800,
+            capacity=16_384,
+            mode=1,
+            sources=(BF16_P16,),
+            max_extend=600,
+            input_assert=True,
+            ring_capacity=1024,
+        )
+        case("phase prefill 8x600 (sort winner rule)", phase_case(prefill, floods[:2] + primed[:1]))
+        case("runner fused vs per-launch 64x1K, no copies", runner_paths(64, 1024))
     case("verify 1M ALL bf16/p16 token-check", verify_case(1, (BF16_P16,), 2, True, **big))
     case(
         "verify 1M PARTIAL bf16/p16+fp8/p1, num_active ragged",
@@ -443,61 +501,6 @@ def main() -> None:
     case("x64 int64 sources", x64_case())
     if not args.quick:
         case("hlo: no buffer / KV-pool copies", hlo_checks())
-    floods = [(s, dict(ring_start=r)) for s, r in enumerate(phase_cases.RING_STARTS)]
-    primed = [(10 + s, dict(ring_start="empty", primed=True, corrupt=c)) for s, c in enumerate((0.0005, 0.002))]
-    overflow = [(20, dict(overflow=True))]
-    kv = dict(mode=1, sources=(BF16_P16,), input_assert=True, token_check=True, ring_capacity=1024)
-    if args.quick:
-        decode = phase_cases.Shape(num_slots=3000, num_reqs=8, max_len=64, num_tokens=24, capacity=500, **kv)
-        case("phase decode (quick)", phase_case(decode, floods + primed + overflow))
-        case("runner fused vs per-launch (quick)", runner_paths(4, 64))
-    else:
-        decode = phase_cases.Shape(
-            num_slots=300_000, num_reqs=256, max_len=1024, num_tokens=770, capacity=256_000, **kv
-        )
-        case("phase decode 256x1K PARTIAL K+V, asserts", phase_case(decode, floods[:3] + primed + overflow))
-        long = phase_cases.Shape(
-            num_slots=600_000,
-            num_reqs=64,
-            max_len=8192,
-            num_tokens=64,
-            capacity=524_288,
-            mode=2,
-            sources=(BF16_P16,),
-            ring_capacity=1024,
-        )
-        case("phase decode 64x8K ALL K+V", phase_case(long, floods[:2] + primed[:1]))
-        swa = phase_cases.Shape(
-            num_slots=100_000,
-            num_reqs=64,
-            max_len=2048,
-            num_tokens=130,
-            capacity=65_536,
-            halves=1,
-            swa_slots=40_000,
-            window=128,
-            mode=2,
-            sources=(FP8_P1,),
-            token_check=True,
-            input_assert=True,
-            token_offset=1,
-            ring_capacity=1024,
-        )
-        case("phase SWA K only ALL fp8, window 128", phase_case(swa, floods[:2] + primed[:1]))
-        prefill = phase_cases.Shape(
-            num_slots=100_000,
-            num_reqs=8,
-            max_len=2048,
-            num_tokens=4800,
-            capacity=16_384,
-            mode=1,
-            sources=(BF16_P16,),
-            max_extend=600,
-            input_assert=True,
-            ring_capacity=1024,
-        )
-        case("phase prefill 8x600 (sort winner rule)", phase_case(prefill, floods[:2] + primed[:1]))
-        case("runner fused vs per-launch 64x1K, no copies", runner_paths(64, 1024))
     total = RESULTS["pass"] + RESULTS["fail"]
     log(f"SUMMARY {total} cases: {RESULTS['pass']} passed, {RESULTS['fail']} failed")
     (args.out / "validate.txt").write_text("\n".join(LOG) + "\n")
