@@ -10,8 +10,16 @@ the user's view, one jit with the KV cache and canary state donated: ``canary.be
 write), the model forward over the paged cache between two ``kvcanary_jax.fence`` barriers (``--no-fence`` drops
 them), ``canary.after_forward`` (TAIL verify and write with the layer-0 K/V real-KV fold). Results stream to
 ``<out>/decode_overhead.jsonl``; the table is printed at the end and ``<out>/overhead.png`` plots overhead against
-batch and context. The detail point also times the canary alone and writes ``<out>/profile_summary.md``; XLA:GPU
-runs a jit as one CUDA graph, so profile with ``XLA_FLAGS=--xla_gpu_enable_command_buffer=`` to see its kernels.
+batch and context.
+
+Every canary point also runs the canary alone (HEAD then TAIL in one jit, no forward): its wall time per step, and,
+from a ``jax.profiler`` trace of ``--profile-steps`` steps, its device kernels per step and their device time
+(``<out>/profiles.md`` lists each point's kernels). XLA:GPU runs a jit as one CUDA graph, which the trace shows as a
+single ``command_buffer`` op, so that one profiled compile turns command buffers off
+(``compiler_options={"xla_gpu_enable_command_buffer": ""}``); the timed steps keep XLA's defaults. Points with
+``path="per_launch"`` run the runner's per-launch phase (the path before the fused ``phase`` op, kept for backends
+without its kernels), so one run measures before and after. The detail point also checks the compiled step for
+buffer copies and writes the profiled HLO to ``<out>/canary_only_hlo.txt`` (it names the trace's fusions).
 """
 
 from __future__ import annotations
@@ -28,6 +36,7 @@ import json
 import os
 import statistics
 import sys
+import tempfile
 import time
 
 import jax
@@ -53,12 +62,14 @@ class Point:
     mode: str | None = None  # real-KV mode: "none", "partial", "all"; None = canary off
     halves: str = "K+V"
     backend: str = "pallas"
-    detail: bool = False  # also check the compiled step for buffer copies and time the canary alone
+    detail: bool = False  # also check the compiled step for buffer copies and dump the canary's HLO
+    path: str = "fused"  # "fused": the runner's phase op; "per_launch": its per-launch phase (before issue 16)
 
     @property
     def label(self) -> str:
         canary = "off" if self.mode is None else f"{self.mode} {self.halves} {self.backend}"
-        return f"{self.kind} bs={self.bs} ctx={self.ctx} canary={canary}"
+        path = "" if self.mode is None or self.path == "fused" else f" {self.path}"
+        return f"{self.kind} bs={self.bs} ctx={self.ctx} canary={canary}{path}"
 
 
 def default_points(tiny: bool) -> list[Point]:
@@ -67,6 +78,7 @@ def default_points(tiny: bool) -> list[Point]:
         return [
             Point("decode", 2, 64),
             Point("decode", 2, 64, "partial", detail=True),
+            Point("decode", 2, 64, "partial", path="per_launch"),
             Point("decode", 2, 64, "all", "K"),
             Point("decode", 2, 64, "partial", backend="xla"),
             Point("prefill", 2, 32),
@@ -74,18 +86,20 @@ def default_points(tiny: bool) -> list[Point]:
         ]
     points = []
     for kind, bs, ctx in [
-        ("decode", 64, 1024),
-        ("decode", 1, 1024),
-        ("decode", 256, 1024),
-        ("decode", 64, 8192),
-        ("prefill", 32, 4096),
-        ("decode", 1, 8192),
+        ("decode", 64, 1024),  # 0..4 (off, partial, partial per-launch, none, all)
+        ("decode", 1, 1024),  # 5..7 (off, partial, partial per-launch); so on for each shape
+        ("decode", 256, 1024),  # 8..10
+        ("decode", 64, 8192),  # 11..13
+        ("prefill", 32, 4096),  # 14..16
+        ("decode", 1, 8192),  # 17..19
     ]:
         points += [Point(kind, bs, ctx), Point(kind, bs, ctx, "partial", detail=(bs, ctx) == (64, 1024))]
+        points += [Point(kind, bs, ctx, "partial", path="per_launch")]
         if (bs, ctx) == (64, 1024):
-            points += [Point(kind, bs, ctx, "none"), Point(kind, bs, ctx, "all"), Point(kind, bs, ctx, "partial", "K")]
-    # Last, with its own canary-off twin: the XLA chain walk compiles slowly.
-    points += [Point("decode", 64, 1024), Point("decode", 64, 1024, "partial", backend="xla")]
+            points += [Point(kind, bs, ctx, "none"), Point(kind, bs, ctx, "all")]
+    # Last, with their own canary-off twins: K alone; the XLA chain walk compiles slowly.
+    points += [Point("decode", 64, 1024), Point("decode", 64, 1024, "partial", "K")]  # 20, 21
+    points += [Point("decode", 64, 1024), Point("decode", 64, 1024, "partial", backend="xla")]  # 22, 23
     return points
 
 
@@ -129,10 +143,17 @@ def attention_kw(ctx: int, tiny: bool) -> tuple:
     return (("k_splits", splits), ("pages_per_compute_block", per_block))
 
 
+class PerLaunchCanary(kc.KvCanary):
+    """The runner with its per-launch phase: what ``before_forward``/``after_forward`` ran before issue 16."""
+
+    _forward_phase = kc.KvCanary._per_launch_phase
+
+
 def make_canary(point: Point, num_slots: int, verify_capacity: int, tiny: bool) -> kc.KvCanary:
     backend = "auto" if tiny and point.backend == "pallas" else point.backend  # no Triton on the CPU smoke test
     config = kc.CanaryConfig(mode="log", real_kv_hash_mode=point.mode, backend=backend, ring_capacity=1024)
-    return kc.KvCanary(
+    cls = PerLaunchCanary if point.path == "per_launch" else kc.KvCanary
+    return cls(
         config,
         kc.CanaryPool(
             num_slots=num_slots, page_size=PAGE_SIZE, with_v=point.halves == "K+V", verify_capacity=verify_capacity
@@ -176,10 +197,11 @@ def warm_up(step, carry):
 def canary_bytes(point: Point, shape: lm.ModelShape) -> int:
     """Extra HBM bytes per step, counted from the launches (model, not a profiler reading).
 
-    Per verify entry: slot record 32 B + predecessor record 32 B + plan row 16 B (written by the plan build, read
-    by verify: 32 B) + the real-KV read on TAIL (one 32-byte sector for PARTIAL, the 256-byte row for ALL).
-    Per written entry: record 32 B + token/position/slot words 12 B on HEAD and on TAIL, plus the real-KV read on
-    TAIL. HEAD and TAIL each run verify + write per half.
+    Per verify entry and half: slot record 32 B + predecessor record 32 B + the real-KV read on TAIL (one 32-byte
+    sector for PARTIAL, the 256-byte row for ALL); per entry, the plan: fused, the two ``req_to_token`` words read
+    in-kernel (8 B); per launch, a 16 B plan row written by the plan build and read by each verify (16 + 16 per
+    half). Per written entry: record 32 B + token/position/slot words 12 B on HEAD and on TAIL, plus the real-KV
+    read on TAIL. HEAD and TAIL each run verify + write per half.
     """
     if point.mode is None:
         return 0
@@ -187,7 +209,8 @@ def canary_bytes(point: Point, shape: lm.ModelShape) -> int:
     entries = point.bs * (point.ctx - 1) if point.kind == "decode" else 0
     written = point.bs if point.kind == "decode" else point.bs * point.ctx
     rkv = {"none": 0, "partial": 32, "all": 256}[point.mode]
-    verify = entries * halves * (2 * (32 + 32 + 32) + rkv)
+    plan = 2 * 8 if point.path == "fused" else 2 * (16 + 16 * halves)
+    verify = entries * (halves * (2 * (32 + 32) + rkv) + plan)
     write = written * halves * (2 * (32 + 12) + rkv)
     return verify + write
 
@@ -203,6 +226,7 @@ class Variant:
     cs: object = None
     canary: kc.KvCanary | None = None
     seconds: list = dataclasses.field(default_factory=list)
+    only: dict = dataclasses.field(default_factory=dict)  # the canary alone: times, kernels
 
 
 def user_step(forward, shape: lm.ModelShape, canary: kc.KvCanary | None, fence: bool):
@@ -296,6 +320,9 @@ def run_group(points: list[Point], params, pool: Pool, shape: lm.ModelShape, arg
     off = off_variant.seconds if off_variant else None
     off_copies = None  # the off-step's copies, compiled once per group for the first detail point
     results = []
+    for v in variants:  # the canary alone, after every timed round of the group (kv is back in pool.kv)
+        if v.point.mode is not None:
+            v.only = canary_alone(v, fixed, pool, shape, steps, args)
     for v in variants:
         result = dict(dataclasses.asdict(v.point), label=v.point.label, step_s=statistics.median(v.seconds))
         if v.point.mode is not None:
@@ -303,6 +330,7 @@ def run_group(points: list[Point], params, pool: Pool, shape: lm.ModelShape, arg
             if off is not None:
                 ratios = [100 * (on / base - 1) for on, base in zip(v.seconds, off, strict=True)]
                 result.update(overhead_pct=statistics.median(ratios), overhead_range=[min(ratios), max(ratios)])
+            result.update(v.only)
             counters = np.asarray(v.cs.device.kernel_run_counters)[:, 0]
             result.update(
                 violations=kc.read_violations(v.cs.violation_log).write_index,
@@ -322,8 +350,13 @@ def run_group(points: list[Point], params, pool: Pool, shape: lm.ModelShape, arg
 
 
 def canary_detail(v: Variant, params, fixed: dict, pool: Pool, shape, steps: int, args) -> dict:
-    """HLO copy count of the compiled step, canary-only time per step (HEAD + TAIL in one jit), optional profile."""
-    copies = hlo_copies(v.jitted.lower(v.tok, pool.kv, v.cs, params=params, fixed=fixed), pool.kv, v.cs)
+    """HLO copies of the compiled step (the canary should add none)."""
+    return {"hlo_copies": hlo_copies(v.jitted.lower(v.tok, pool.kv, v.cs, params=params, fixed=fixed), pool.kv, v.cs)}
+
+
+def canary_alone(v: Variant, fixed: dict, pool: Pool, shape, steps: int, args) -> dict:
+    """The canary alone (HEAD + TAIL in one jit): wall time per step, and, from a profiler trace of a compile with
+    command buffers off, its device kernels and device time per step."""
     only_step = jax.jit(canary_only(v.canary, shape), donate_argnums=(0,))
     only = lambda cs, b, kv: (only_step(cs, b, kv), b, kv)  # noqa: E731
     carry = warm_up(only, (v.cs, fixed["batch"], pool.kv))
@@ -331,13 +364,23 @@ def canary_detail(v: Variant, params, fixed: dict, pool: Pool, shape, steps: int
     for _ in range(args.repeats):
         elapsed, carry = timed_steps(only, carry, steps)
         seconds.append(elapsed)
+    result = {"canary_only_s": statistics.median(seconds)}
     if args.profile_steps:
-        with open(os.path.join(args.out, "canary_only_hlo.txt"), "w") as f:  # names the profile's fusions
-            f.write(only_step.lower(*carry).compile().as_text())
-        summary, carry = profile_steps(only, carry, args.profile_steps, args.out)
-        print(summary, flush=True)
+        lowered = only_step.lower(*carry)
+        try:  # one kernel per thunk in the trace, not one command_buffer op per step
+            compiled = lowered.compile(compiler_options={"xla_gpu_enable_command_buffer": ""})
+        except Exception as error:  # noqa: BLE001 - an older XLA without the option: profile the graph as is
+            print(f"  (command buffers stay on: {type(error).__name__}: {str(error)[:120]})", flush=True)
+            compiled = lowered.compile()
+        if v.point.detail:
+            with open(os.path.join(args.out, "canary_only_hlo.txt"), "w") as f:  # names the profile's fusions
+                f.write(compiled.as_text())
+        profiled = lambda cs, b, kv: (compiled(cs, b, kv), b, kv)  # noqa: E731
+        carry = warm_up(profiled, carry)
+        stats, carry = profile_steps(profiled, carry, args.profile_steps, v.point.label, args.out)
+        result.update(stats)
     v.cs = carry[0]
-    return {"hlo_copies": copies, "canary_only_s": statistics.median(seconds)}
+    return result
 
 
 def finish(result: dict, point: Point, shape: lm.ModelShape, bandwidth: float) -> dict:
@@ -376,11 +419,11 @@ def hlo_copies(lowered, kv, cstate) -> list[str]:
     return [line.strip()[:160] for line in text.splitlines() if " copy(" in line and any(b in line for b in big)]
 
 
-def profile_steps(step, carry, steps: int, out: str) -> tuple[str, object]:
-    """Runs ``steps`` steps under ``jax.profiler``; returns a markdown summary (time per step of each jitted module
-    and its top HLO ops, from the device streams when the trace has them) and the final carry. The Perfetto trace
-    stays in ``<out>/profile``."""
-    trace_dir = os.path.join(out, "profile")
+def profile_steps(step, carry, steps: int, label: str, out: str) -> tuple[dict, object]:
+    """Runs ``steps`` steps under ``jax.profiler`` and reads the trace: device kernels per step and their device
+    time per step (µs) of the canary-only module, from the device streams (host threads when the trace has none).
+    Appends the point's top kernels to ``<out>/profiles.md``; the trace itself goes to a temporary folder."""
+    trace_dir = tempfile.mkdtemp(prefix="canary_profile_")
     jax.block_until_ready(carry)
     with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
         for _ in range(steps):
@@ -395,23 +438,32 @@ def profile_steps(step, carry, steps: int, out: str) -> tuple[str, object]:
     ops = [
         e
         for e in events
-        if e.get("ph") == "X" and "hlo_module" in e.get("args", {}) and (not device_pids or e["pid"] in device_pids)
+        if e.get("ph") == "X"
+        and "canary_only" in e.get("args", {}).get("hlo_module", "")
+        and (not device_pids or e["pid"] in device_pids)
     ]
-    per_module = collections.defaultdict(collections.Counter)
+    per_op, count = collections.Counter(), collections.Counter()
     for e in ops:
-        per_module[e["args"]["hlo_module"]][e["args"].get("hlo_op", e["name"])] += e.get("dur", 0.0) / steps
-    where = "device streams" if device_pids else "host threads (no device trace)"
-    lines = [f"Time per step (µs) by jitted module and op, {steps} steps under jax.profiler, {where}", ""]
-    lines += ["| module | µs/step | ops |", "|---|---|---|"]
-    modules = sorted(per_module.items(), key=lambda item: -sum(item[1].values()))
-    lines += [f"| `{m}` | {sum(c.values()):.1f} | {len(c)} |" for m, c in modules]
-    for module, counter in modules:
-        lines += ["", f"### `{module}`: top ops", "", "| µs/step | op |", "|---|---|"]
-        lines += [f"| {us:.1f} | `{op[:110]}` |" for op, us in counter.most_common(40)]
-    summary = "\n".join(lines)
-    with open(os.path.join(out, "profile_summary.md"), "w") as f:
-        f.write(summary + "\n")
-    return summary, carry
+        name = e["args"].get("hlo_op", e["name"])
+        per_op[name] += e.get("dur", 0.0) / steps
+        count[name] += 1 / steps
+    stats = {
+        "canary_kernels": len(ops) / steps,
+        "canary_device_us": sum(per_op.values()),
+        "profile_source": "device" if device_pids else "host",
+    }
+    lines = [
+        f"## {label}",
+        "",
+        f"{stats['canary_kernels']:.0f} kernels and {stats['canary_device_us']:.1f} µs of "
+        f"device time per step ({steps} steps, {stats['profile_source']} streams)",
+        "",
+    ]
+    lines += ["| µs/step | per step | op |", "|---|---|---|"]
+    lines += [f"| {us:.1f} | {count[op]:.0f} | `{op[:110]}` |" for op, us in per_op.most_common(40)]
+    with open(os.path.join(out, "profiles.md"), "a") as f:
+        f.write("\n".join(lines) + "\n\n")
+    return stats, carry
 
 
 def write_outputs(results: list[dict], out: str, header: dict) -> str:
@@ -419,9 +471,9 @@ def write_outputs(results: list[dict], out: str, header: dict) -> str:
         f"Card: {header['device']}; jax {header['jax']}; {header['date']}; copy bandwidth "
         f"{header['copy_bw'] / 1e12:.2f} TB/s; model {header['model']}",
         "",
-        "| step | bs | ctx | canary | backend | fence | step ms | overhead % (min..max) | canary-only ms | "
-        "extra MB/step | roofline (off) | violations |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| step | bs | ctx | canary | path | fence | step ms | overhead % (min..max) | canary-only ms | "
+        "canary kernels | canary device µs | extra MB/step | roofline (off) | violations |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         over = ""
@@ -429,12 +481,15 @@ def write_outputs(results: list[dict], out: str, header: dict) -> str:
             low, high = r["overhead_range"]
             over = f"{r['overhead_pct']:+.2f} ({low:+.2f}..{high:+.2f})"
         canary = "off" if r["mode"] is None else f"{r['mode']} {r['halves']}"
+        path = "" if r["mode"] is None else f"{r['backend']} {r.get('path', 'fused')}"
         only = f"{1e3 * r['canary_only_s']:.3f}" if "canary_only_s" in r else ""
+        kernels = f"{r['canary_kernels']:.0f}" if "canary_kernels" in r else ""
+        device_us = f"{r['canary_device_us']:.1f}" if "canary_device_us" in r else ""
         roof = f"{100 * r['roofline_fraction']:.0f}%" if r["mode"] is None else ""
         fence = {True: "yes", False: "no"}.get(r.get("fence"), "")
         lines.append(
-            f"| {r['kind']} | {r['bs']} | {r['ctx']} | {canary} | {r['backend'] if r['mode'] else ''} | {fence} | "
-            f"{1e3 * r['step_s']:.3f} | {over} | {only} | {r['canary_bytes'] / 1e6:.1f} | {roof} | "
+            f"| {r['kind']} | {r['bs']} | {r['ctx']} | {canary} | {path} | {fence} | "
+            f"{1e3 * r['step_s']:.3f} | {over} | {only} | {kernels} | {device_us} | {r['canary_bytes'] / 1e6:.1f} | {roof} | "
             f"{r.get('violations', '')} |"
         )
     table = "\n".join(lines)
@@ -458,13 +513,15 @@ def plot(results, path):
     for r in results:
         if r["kind"] == "decode" and (r["mode"], r["halves"], r["backend"]) == ("partial", "K+V", "pallas"):
             if "overhead_pct" in r:
-                series[r["ctx"], r.get("fence", True)].append((r["bs"], r["overhead_pct"], *r["overhead_range"]))
-    color = {ctx: f"C{i}" for i, ctx in enumerate(sorted({ctx for ctx, _ in series}))}
-    for (ctx, fenced), pts in sorted(series.items()):
+                key = (r["ctx"], r.get("path", "fused"), r.get("fence", True))
+                series[key].append((r["bs"], r["overhead_pct"], *r["overhead_range"]))
+    color = {ctx: f"C{i}" for i, ctx in enumerate(sorted({key[0] for key in series}))}
+    for (ctx, route, fenced), pts in sorted(series.items()):
         bs, mid, low, high = (np.array(column) for column in zip(*sorted(pts), strict=True))
-        label = f"decode, context {ctx}" + ("" if fenced else ", no fence")
-        style = dict(fmt="o-", capsize=3, color=color[ctx]) if fenced else dict(fmt="s:", capsize=3, color=color[ctx])
-        ax.errorbar(bs, mid, yerr=[mid - low, high - mid], label=label, **style)
+        label = f"decode, context {ctx}" + ("" if route == "fused" else f", {route} (before)")
+        label += "" if fenced else ", no fence"
+        fmt = "o-" if route == "fused" else "s:"
+        ax.errorbar(bs, mid, yerr=[mid - low, high - mid], label=label, fmt=fmt, capsize=3, color=color[ctx])
     ax.axhline(1.0, color="grey", ls="--", lw=0.8, label="1% budget")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("batch size")
@@ -482,10 +539,10 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--prefill-steps", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--profile-steps", type=int, default=20, help="steps traced on the detail point (0: none)")
+    parser.add_argument("--profile-steps", type=int, default=20, help="canary-only steps traced per point (0: none)")
     parser.add_argument("--only", type=int, nargs="*", help="indices into the point list")
     parser.add_argument("--no-fence", action="store_true", help="no kvcanary_jax.fence around the forward")
-    parser.add_argument("--detail", action="store_true", help="copy check and canary-only time on every canary point")
+    parser.add_argument("--detail", action="store_true", help="copy check on every canary point")
     args = parser.parse_args()
     if args.tiny:
         args.steps, args.prefill_steps, args.repeats = min(args.steps, 3), 2, 1
@@ -511,7 +568,16 @@ def main() -> None:
     results = []
     with open(os.path.join(args.out, "decode_overhead.jsonl"), "w") as log:
         groups = [list(g) for _, g in itertools.groupby(points, key=lambda p: (p.kind, p.bs, p.ctx))]
-        shown = ("overhead_pct", "violations", "hlo_copies", "hlo_copies_off", "canary_only_s", "roofline_fraction")
+        shown = (
+            "overhead_pct",
+            "violations",
+            "hlo_copies",
+            "hlo_copies_off",
+            "canary_only_s",
+            "canary_kernels",
+            "canary_device_us",
+            "roofline_fraction",
+        )
         for i, group in enumerate(groups):
             start = time.perf_counter()
             for result in run_group(group, params, pool, shape, args, bandwidth):

@@ -26,11 +26,14 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "pallas_kernels"))
 import kernel_cases as cases  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import kvcanary_jax as kc  # noqa: E402
 from pallas_kernels import compat, realkv  # noqa: E402
+from pallas_kernels.phase import api as phase_api  # noqa: E402
 from pallas_kernels.verify import api as verify_api  # noqa: E402
 from pallas_kernels.verify import pallas_triton as verify_triton  # noqa: E402
 from pallas_kernels.write import api as write_api  # noqa: E402
+from tests.pallas_kernels import phase_cases  # noqa: E402
 
 warnings.filterwarnings("ignore", message="The Pallas Triton backend is deprecated")
 BACKEND = "pallas" if jax.default_backend() == "gpu" else "interpret"
@@ -246,6 +249,107 @@ def x64_case():
     return run
 
 
+@functools.partial(jax.jit, static_argnames=("tags", "shape", "backend"))
+def _phase(buffers, log, batch, cpa, sources, *, tags, shape, backend):
+    return phase_api.phase(
+        buffers,
+        log,
+        batch,
+        cpa,
+        tags=tags,
+        real_kv_sources=sources,
+        real_kv_hash_mode=shape.mode,
+        verify_capacity=shape.capacity,
+        window=shape.window,
+        token_offset=shape.token_offset,
+        backend=backend,
+    )
+
+
+def phase_case(shape, runs):
+    """The fused phase (three kernels) against its jnp reference: buffers, ring, index, counters, enable.
+
+    ``runs`` holds ``(seed, make_case keyword arguments)``; primed runs are mostly clean chains whose rows of all
+    four launches land in the ring, the others flood it from any starting index."""
+
+    def run():
+        details = []
+        for seed, kwargs in runs:
+            *args, tags = phase_cases.make_case(seed, shape, **kwargs)
+            want = _phase(*args, tags=tags, shape=shape, backend="xla")
+            got = _phase(*args, tags=tags, shape=shape, backend=BACKEND)
+            chex.assert_trees_all_equal(got, want)
+            index = int(want[1].write_index[0]) - int(args[1].write_index[0])
+            landed = sorted(set(np.asarray(want[1].ring[:, 0, 0]).tolist()) & set(tags))
+            details.append(f"+{index} rows (tags {landed}, enable {int(want[2][0])})")
+        return f"capacity={shape.capacity} tokens={shape.num_tokens}: " + "; ".join(details)
+
+    return run
+
+
+def runner_paths(bs: int, ctx: int, steps: int = 3):
+    """KvCanary's fused phase against its per-launch phase, HEAD + TAIL steps with real KV, then the compiled fused
+    step: no copy of a canary buffer or of the KV pool."""
+
+    def run():
+        page = 16
+        pool = kc.CanaryPool(num_slots=bs * ctx + page, page_size=page, verify_capacity=bs * ctx)
+        config = kc.CanaryConfig(real_kv_hash_mode="partial", ring_capacity=1024, enable_write_input_assert=True)
+        fused = kc.KvCanary(config, pool)
+
+        class PerLaunch(kc.KvCanary):
+            _forward_phase = kc.KvCanary._per_launch_phase
+
+        per_launch = PerLaunch(config, pool)
+        rng = np.random.default_rng(15)
+        kv = jnp.asarray(rng.integers(-100, 100, (bs * ctx // page + 1, page, 8, 128)), jnp.bfloat16)
+        slots = 1 + rng.permutation(bs * ctx)[: bs * ctx].reshape(bs, ctx).astype(np.int32)
+        req_to_token = jnp.asarray(np.concatenate([np.zeros((1, ctx), np.int32), slots]))
+
+        def batch(prefix, extend):
+            n = bs * extend
+            positions = np.repeat(np.full(bs, prefix), extend) + np.tile(np.arange(extend), bs)
+            loc = slots[np.repeat(np.arange(bs), extend), positions]
+            ids = rng.integers(0, 1000, n).astype(np.int32)
+            expected = np.where(rng.random(n) < 0.01, ids + 1, ids).astype(np.int32)
+            return kc.CanaryBatch(
+                jnp.arange(1, bs + 1, dtype=jnp.int32),
+                jnp.full((bs,), prefix, jnp.int32),
+                jnp.full((bs,), extend, jnp.int32),
+                req_to_token,
+                jnp.asarray(ids),
+                jnp.asarray(positions, jnp.int32),
+                jnp.asarray(loc, jnp.int32),
+                expected_input_ids=jnp.asarray(expected),
+            )
+
+        def step_fn(canary):
+            def step(state, b, kv):
+                state = canary.before_forward(state, b)
+                return canary.after_forward(state, b, canary.kv_sources(full_k=kv, full_v=kv))
+
+            return jax.jit(step, donate_argnums=0)
+
+        steps_fns = {"fused": step_fn(fused), "per_launch": step_fn(per_launch)}
+        states = {name: canary.init_state() for name, canary in (("fused", fused), ("per_launch", per_launch))}
+        batches = [batch(0, ctx - steps)] + [batch(ctx - steps + i, 1) for i in range(steps)]
+        for i, b in enumerate(batches):
+            if i == 1:
+                kv = kv.at[1].add(1)  # corrupt some KV bytes after the prefill: TAIL real-KV rows
+                states = {name: fused.mark_init_finished(s) for name, s in states.items()}
+            states = {name: steps_fns[name](states[name], b, kv) for name in states}
+            chex.assert_trees_all_equal(states["fused"], states["per_launch"])
+        text = steps_fns["fused"].lower(states["fused"], batches[-1], kv).compile().as_text()
+        big = (f"u32[{bs * ctx + page},4,2]", f"u32[{bs * ctx + page},8]", "bf16[" + ",".join(map(str, kv.shape)))
+        copies = [line.strip()[:160] for line in text.splitlines() if " copy(" in line and any(b in line for b in big)]
+        assert not copies, f"the fused step copies a canary buffer or the KV pool: {copies}"
+        index = int(states["fused"].violation_log.violation_write_index[0])
+        kernels = text.count(compat.TRITON_CUSTOM_CALL_TARGET)
+        return f"{len(batches)} steps equal, ring index {index}, no big copies, triton calls in step text: {kernels}"
+
+    return run
+
+
 def hlo_checks():
     """No copy of the canary buffer (donated) and no copy of the KV pool in the compiled Pallas ops."""
 
@@ -286,6 +390,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("."))
     parser.add_argument("--quick", action="store_true", help="CPU smoke run: tiny sizes")
     parser.add_argument("--cases", nargs="+", default=[], help="run only cases whose name contains one of these")
+    parser.add_argument("--big", action="store_true", help="also the 64 x 8K fused-phase case (slow to set up)")
     args = parser.parse_args()
     SELECTED.extend(args.cases)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -294,6 +399,63 @@ def main() -> None:
     mid = dict(num_slots=300_000, num_reqs=256, max_len=1024)
     if args.quick:
         big = mid = dict(num_slots=3000, num_reqs=8, max_len=64)
+    # The fused phase first: the newest kernels; the per-op cases below compile the xla write slowly.
+    floods = [(s, dict(ring_start=r)) for s, r in enumerate(phase_cases.RING_STARTS)]
+    primed = [(10 + s, dict(ring_start="empty", primed=True, corrupt=c)) for s, c in enumerate((0.0005, 0.002))]
+    overflow = [(20, dict(overflow=True))]
+    kv = dict(mode=1, sources=(BF16_P16,), input_assert=True, token_check=True, ring_capacity=1024)
+    if args.quick:
+        decode = phase_cases.Shape(num_slots=3000, num_reqs=8, max_len=64, num_tokens=24, capacity=500, **kv)
+        case("phase decode (quick)", phase_case(decode, floods + primed + overflow))
+        case("runner fused vs per-launch (quick)", runner_paths(4, 64))
+    else:
+        decode = phase_cases.Shape(
+            num_slots=300_000, num_reqs=256, max_len=1024, num_tokens=770, capacity=256_000, **kv
+        )
+        case("phase decode 256x1K PARTIAL K+V, asserts", phase_case(decode, floods[:3] + primed + overflow))
+        long = phase_cases.Shape(
+            num_slots=600_000,
+            num_reqs=64,
+            max_len=8192,
+            num_tokens=64,
+            capacity=524_288,
+            mode=2,
+            sources=(BF16_P16,),
+            ring_capacity=1024,
+        )
+        if args.big:
+            case("phase decode 64x8K ALL K+V", phase_case(long, floods[:2] + primed[:1]))
+        swa = phase_cases.Shape(
+            num_slots=100_000,
+            num_reqs=64,
+            max_len=2048,
+            num_tokens=130,
+            capacity=65_536,
+            halves=1,
+            swa_slots=40_000,
+            window=128,
+            mode=2,
+            sources=(FP8_P1,),
+            token_check=True,
+            input_assert=True,
+            token_offset=1,
+            ring_capacity=1024,
+        )
+        case("phase SWA K only ALL fp8, window 128", phase_case(swa, floods[:2] + primed[:1]))
+        prefill = phase_cases.Shape(
+            num_slots=100_000,
+            num_reqs=8,
+            max_len=2048,
+            num_tokens=4800,
+            capacity=16_384,
+            mode=1,
+            sources=(BF16_P16,),
+            max_extend=600,
+            input_assert=True,
+            ring_capacity=1024,
+        )
+        case("phase prefill 8x600 (sort winner rule)", phase_case(prefill, floods[:2] + primed[:1]))
+        case("runner fused vs per-launch 64x1K, no copies", runner_paths(64, 1024))
     case("verify 1M ALL bf16/p16 token-check", verify_case(1, (BF16_P16,), 2, True, **big))
     case(
         "verify 1M PARTIAL bf16/p16+fp8/p1, num_active ragged",

@@ -42,7 +42,7 @@ def dispatch(
     *,
     xla: Callable,
     triton: Callable,
-    mosaic: Callable,
+    mosaic: Callable | None,
 ) -> Callable:
     """The op's implementation on ``backend``, a function of the op's array arguments (pytrees allowed).
 
@@ -50,11 +50,13 @@ def dispatch(
       backend: one of ``BACKENDS``.
       xla: the reference, ``xla(*args)``.
       triton, mosaic: the kernels, ``triton(*args, interpret=bool)``; all three return identical pytrees.
+        ``mosaic=None`` for an op without TPU kernels: ``"auto"`` then runs ``xla`` on TPU, ``"pallas"`` lowered
+        for TPU and ``"interpret_tpu"`` raise.
 
     Raises:
       ValueError: an unknown backend name.
       NotImplementedError: ``"pallas"`` lowered for a platform without Pallas kernels, when lowered (or, run
-        eagerly, when called).
+        eagerly, when called); ``"interpret_tpu"`` for an op without Mosaic kernels.
     """
     validate(backend)
     if backend == "xla":
@@ -62,10 +64,15 @@ def dispatch(
     if backend == "interpret":
         return functools.partial(triton, interpret=True)
     if backend == "interpret_tpu":
+        if mosaic is None:
+            raise NotImplementedError(
+                "backend='interpret_tpu' runs Mosaic kernels, and this op has none; use 'xla', 'interpret' or 'auto'"
+            )
         return functools.partial(mosaic, interpret=True)
-    gpu, tpu = functools.partial(triton, interpret=False), functools.partial(mosaic, interpret=False)
-    default = xla if backend == "auto" else functools.partial(_no_kernels, xla)
-    return lambda *args: lax.platform_dependent(*args, cuda=gpu, rocm=gpu, tpu=tpu, default=default)
+    gpu = functools.partial(triton, interpret=False)
+    missing = xla if backend == "auto" else functools.partial(_no_kernels, xla)
+    tpu = missing if mosaic is None else functools.partial(mosaic, interpret=False)
+    return lambda *args: lax.platform_dependent(*args, cuda=gpu, rocm=gpu, tpu=tpu, default=missing)
 
 
 # A branch for platforms without Pallas kernels that fails only if it is lowered (or run eagerly): the other

@@ -7,6 +7,7 @@ The fold arithmetic (:func:`fold_chunk`, :func:`fold_source_into`) is shared by 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable, Sequence
 
@@ -175,6 +176,11 @@ def slot_word_offset(source: RealKvSource, slots: jax.Array) -> tuple[jax.Array,
     return slots // source.page_size, (slots % source.page_size) * (source.num_bytes_per_token // 4)
 
 
+def _fold_step(load_chunk, i: int, chunk, acc: hash64.U64) -> hash64.U64:
+    """One chunk of source ``i``: the loop body of :func:`fold_loaded`, at module level (bound with ``partial``)."""
+    return fold_chunk(acc, load_chunk(i, chunk))
+
+
 def fold_loaded(
     sources: Sequence[RealKvSource],
     like: jax.Array,
@@ -190,11 +196,31 @@ def fold_loaded(
         return zero
     outer = zero
     for i, src in enumerate(sources):
-        # int32 bounds: Python-int bounds make the chunk index int64 under x64, which Mosaic cannot lower.
-        bounds = (jnp.int32(0), jnp.int32(num_chunks(src, mode)))
-        one = lax.fori_loop(*bounds, lambda chunk, acc, i=i: fold_chunk(acc, load_chunk(i, chunk)), zero)
+        n = num_chunks(src, mode)
+        if n == 1:  # PARTIAL, or a 16-byte read: no loop
+            one = _fold_step(load_chunk, i, jnp.int32(0), zero)
+        else:
+            # int32 bounds: Python-int bounds make the chunk index int64 under x64, which Mosaic cannot lower.
+            bounds = (jnp.int32(0), jnp.int32(n))
+            one = lax.fori_loop(*bounds, functools.partial(_fold_step, load_chunk, i), zero)
         outer = fold_source_into(outer, one)
     return outer
+
+
+@functools.partial(jax.jit, static_argnames="mode")
+def _fold_jnp(sources, slots: jax.Array, mode: int) -> hash64.U64:
+    """:func:`fold_slots` from the sources' jnp word views. A jit of its own: the loop body closes over the views,
+    and ``lax.fori_loop`` caches its body by identity, so a fresh closure per caller trace would add a cache entry
+    on every trace; here one is made per shape only."""
+    views = [as_words(src.data) for src in sources]
+    offsets = [slot_word_offset(src, slots) for src in sources]
+
+    def load_chunk(i, chunk):
+        row, word = offsets[i]
+        base = word + chunk * _WORDS_PER_CHUNK
+        return tuple(views[i][row, base + k] for k in range(_WORDS_PER_CHUNK))
+
+    return fold_loaded(sources, slots, mode, load_chunk)
 
 
 def fold_slots(
@@ -206,16 +232,12 @@ def fold_slots(
     """REAL_KV_HASH of each slot in ``slots`` (any shape); 0 when the mode is NONE or there are no sources.
 
     ``load_chunk(source_index, row, word, chunk)`` returns the 4 words of one chunk; the default gathers them
-    from the jnp word view, and a Pallas kernel passes a ref-loading function instead.
+    from the jnp word view, and a Pallas kernel passes a ref-loading function instead (kernel bodies are traced
+    once per jitted wrapper trace, so their closures are bounded the same way).
     """
     if mode == layout.REAL_KV_NONE or not sources:
         return hash64.const(0, slots)
     if load_chunk is None:
-        views = [as_words(src.data) for src in sources]
-
-        def load_chunk(i, row, word, chunk):
-            base = word + chunk * _WORDS_PER_CHUNK
-            return tuple(views[i][row, base + k] for k in range(_WORDS_PER_CHUNK))
-
+        return _fold_jnp(tuple(sources), slots, mode)
     offsets = [slot_word_offset(src, slots) for src in sources]
     return fold_loaded(sources, slots, mode, lambda i, chunk: load_chunk(i, *offsets[i], chunk))

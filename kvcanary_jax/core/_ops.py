@@ -1,8 +1,10 @@
 """``canary_verify`` and ``canary_write``: run the lower layer's op, append its violations, bump its counters.
 
 Each op is a launch (:func:`verify_launch` / :func:`write_launch`: run the op, leaving the state alone) plus
-:func:`commit` (append its rows, bump its counters). The runner calls the halves itself, so that all launches of
-one phase share one prefix sum and one ring update (:func:`apply`); the ring bytes are the same either way. The
+:func:`commit` (append its rows, bump its counters). The runner runs a whole phase at once instead
+(:func:`fused_phase`, the lower layer's ``phase`` op: plans, both halves' verify and write, rows and counters in
+three launches); where that op has no kernels (Mosaic on TPU) it calls the halves itself, so that all launches of
+one phase share one prefix sum and one ring update (:func:`apply`). The ring bytes are the same every way. The
 public ops check what only this layer knows (state, tag, plan type, the token pool) and parse the real-KV mode;
 ``pallas_kernels`` checks its own arrays, sources and backend.
 """
@@ -25,6 +27,7 @@ from kvcanary_jax.core._constants import RealKvHashMode
 from kvcanary_jax.core._plans import VerifyPlan, WritePlan
 from kvcanary_jax.core._state import CanaryDeviceState, ViolationLog
 from pallas_kernels import checks, hash64, layout, realkv, records
+from pallas_kernels.phase import api as phase_api
 from pallas_kernels.verify import api as verify_api
 from pallas_kernels.write import api as write_api
 
@@ -236,6 +239,58 @@ def write_launch(
         return rows, _ring.context(request, lax.bitcast_convert_type(aux[0], jnp.int32), i)
 
     return new_buf, Launch(tag, flags, build_rows, jnp.sum(chain.written, dtype=jnp.int32))
+
+
+def fused_phase(
+    device: CanaryDeviceState,
+    buffers: tuple[jax.Array, ...],
+    batch: phase_api.Batch,
+    *,
+    tags: tuple[int, ...],
+    real_kv_sources: tuple[tuple[realkv.RealKvSource, ...], ...],
+    real_kv_hash_mode: RealKvHashMode,
+    verify_capacity: int,
+    window: int,
+    token_offset: int,
+    full_slots: int,
+    backend: str,
+) -> tuple[CanaryDeviceState, tuple[jax.Array, ...], jax.Array]:
+    """One HEAD/TAIL phase of a group through the lower layer's fused ``phase`` op.
+
+    Same effects as the per-launch ops in SGLang's order (verify K, write K, verify V, write V): the ring, index,
+    counters and buffers are byte-identical. Returns ``(device, buffers, enable)``; ``enable`` is i32[1], 0 when the
+    verify plan overflowed its capacity.
+    """
+    log = device.violation_log
+    new_buffers, out, enable = phase_api.phase(
+        buffers,
+        phase_api.Log(
+            log.violation_ring,
+            log.violation_write_index,
+            device.kernel_run_counters,
+            device.slot_run_counters,
+            log.violation_context,
+        ),
+        batch,
+        device.enable_chain_position_assert,
+        tags=tags,
+        real_kv_sources=real_kv_sources,
+        real_kv_hash_mode=int(real_kv_hash_mode),
+        verify_capacity=verify_capacity,
+        window=window,
+        token_offset=token_offset,
+        full_slots=full_slots,
+        backend=backend,
+    )
+    device = dataclasses.replace(
+        device,
+        violation_log=ViolationLog(
+            violation_ring=out.ring, violation_write_index=out.write_index, violation_context=out.context
+        ),
+        kernel_run_counters=out.kernel_run_counters,
+        slot_run_counters=out.slot_run_counters,
+    )
+    return device, new_buffers, enable
 
 
 def _check_common(state, tag, real_kv_sources, real_kv_hash_mode):

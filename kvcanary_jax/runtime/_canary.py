@@ -20,10 +20,12 @@ Usage inside the user's step (donate the KV cache and the canary state)::
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from kvcanary_jax.core import _ops, _plans, _ring
 from kvcanary_jax.core._config import CanaryConfig
@@ -32,6 +34,7 @@ from kvcanary_jax.core._state import CanaryDeviceState, allocate_canary_buffer
 from kvcanary_jax.runtime import _inputs, _pool, _sweep
 from kvcanary_jax.runtime._batch import CanaryBatch, CanaryState
 from pallas_kernels import checks
+from pallas_kernels.phase import api as phase_api
 
 
 @dataclasses.dataclass(frozen=True)
@@ -261,8 +264,15 @@ class KvCanary:
             if group_plan is None:
                 raise ValueError(f"the sweep plan has no {g.name.upper()} plan but the pool has that group")
             for half in self.halves:
-                launch = self._verify(state.buffers(g).buffer(Phase.SWEEP, half), group_plan, g, Phase.SWEEP, half,
-                                      kv_cache_sources, check_expected_token=False)  # fmt: skip
+                launch = self._verify(
+                    state.buffers(g).buffer(Phase.SWEEP, half),
+                    group_plan,
+                    g,
+                    Phase.SWEEP,
+                    half,
+                    kv_cache_sources,
+                    check_expected_token=False,
+                )
                 device = _ops.commit(device, launch)
         return dataclasses.replace(state, device=device)
 
@@ -279,10 +289,81 @@ class KvCanary:
     ) -> CanaryState:
         """A HEAD or TAIL phase of group ``g``: verify each half's cached slots, then write this step's records.
 
+        Its effects are SGLang's launch sequence (verify K, write K, verify V, write V), after the HEAD's
+        ``INVALID_INPUT`` rows. The lower layer's fused ``phase`` op runs it in three kernels on GPU (plans built
+        in-kernel, K and V together, rows placed by the kernels), and as its jnp reference elsewhere; on TPU, which
+        has Mosaic kernels for the single ops only, it is :meth:`_per_launch_phase`. The bytes are the same.
+        """
+        if phase is Phase.HEAD:
+            state = self._report_inputs(state, batch, rows, g)
+        fused = functools.partial(self._fused_phase, batch=batch, rows=rows, g=g, phase=phase, sources=sources)
+        per_launch = functools.partial(
+            self._per_launch_phase, batch=batch, rows=rows, g=g, phase=phase, sources=sources
+        )
+        backend = self.config.backend
+        if backend == "interpret_tpu":
+            return per_launch(state)
+        if backend in ("xla", "interpret"):
+            return fused(state)
+        # "pallas" and "auto" choose by the platform lowered for, as the ops do: XLA lowers only that branch.
+        return lax.platform_dependent(state, cuda=fused, rocm=fused, tpu=per_launch, default=fused)
+
+    def _report_inputs(self, state: CanaryState, batch: CanaryBatch, rows: _inputs.Rows, g: _pool.Group):
+        """Appends the group's ``INVALID_INPUT`` rows (no launch of SGLang's: no counter moves)."""
+        issues = _inputs.group_issues(
+            batch, rows, window=g.window, num_slots=g.num_slots, full_num_slots=self.pool.num_slots
+        )
+        flags, build_rows = issues.launch_rows(g.tag(Phase.HEAD, Half.K))
+        log = _ops.append(state.device.violation_log, flags, build_rows)
+        return dataclasses.replace(state, device=dataclasses.replace(state.device, violation_log=log))
+
+    def _fused_phase(self, state: CanaryState, *, batch, rows, g, phase, sources) -> CanaryState:
+        """:meth:`_forward_phase` through the lower layer's fused ``phase`` op."""
+        check_token = self.config.enable_verify_token_assert
+        expected = self._expected_inputs(batch) or (None, None)
+        fused_batch = phase_api.Batch(
+            req_pool_indices=batch.req_pool_indices,
+            prefix_lens=batch.prefix_lens,
+            extend_lens=batch.extend_lens,
+            req_to_token=batch.req_to_token,
+            input_ids=batch.input_ids,
+            positions=batch.positions,
+            out_cache_loc=_inputs.request_slots(batch, rows, full_num_slots=self.pool.num_slots),
+            full_to_swa_index_mapping=batch.full_to_swa_index_mapping if g.window else None,
+            token_pool=state.device.req_to_verify_expected_tokens if check_token else None,
+            token_pool_lens=(
+                _inputs.token_history_lens(batch, state.device.req_to_verify_expected_tokens) if check_token else None
+            ),
+            expected_input_ids=expected[0],
+            expected_input_positions=expected[1],
+            active=rows.active.astype(jnp.int32),
+            span_lens=rows.span_lens,
+        )
+        buffers = state.buffers(g)
+        device, new_buffers, enable = _ops.fused_phase(
+            state.device,
+            tuple(buffers.buffer(phase, h) for h in self.halves),
+            fused_batch,
+            tags=tuple(int(g.tag(phase, h)) for h in self.halves),
+            real_kv_sources=tuple(sources.get(g, h) for h in self.halves),
+            real_kv_hash_mode=self.config.real_kv_hash_mode,
+            verify_capacity=g.verify_capacity,
+            window=g.window,
+            token_offset=self.pool.kv_token_id_vs_position_offset,
+            full_slots=self.pool.num_slots,
+            backend=self.config.backend,
+        )
+        for h, buf in zip(self.halves, new_buffers, strict=True):
+            buffers = buffers.with_buffer(phase, h, buf)
+        # Only the HEAD phase counts overflows: the TAIL phase rebuilds the identical plan.
+        overflows = state.verify_overflows + (1 - enable if phase is Phase.HEAD else 0)
+        return dataclasses.replace(state, device=device, verify_overflows=overflows, **{g.name: buffers})
+
+    def _per_launch_phase(self, state: CanaryState, *, batch, rows, g, phase, sources) -> CanaryState:
+        """:meth:`_forward_phase` from the single verify and write ops (the TPU's path: Mosaic kernels).
+
         Every verify reads its buffer before any write of the phase; their rows come out of one prefix sum and are
-        gathered before the in-place stores, and all rows land in the ring at once, in SGLang's launch order
-        (verify K, write K, verify V, write V), after the HEAD's ``INVALID_INPUT`` rows. Fewer, larger launches:
-        the step pays per launch, not per byte.
+        gathered before the in-place stores, and all rows land in the ring at once, in SGLang's launch order.
         """
         checked = self._group(state, batch, rows, g)
         buffers, capacity = state.buffers(g), state.device.violation_log.ring_capacity
@@ -291,12 +372,8 @@ class KvCanary:
             self._verify(buffers.buffer(phase, h), checked, g, phase, h, sources, check_expected_token=check_token)
             for h in self.halves
         ]
-        first = [(v.flags, v.build_rows) for v in verifies]
-        if phase is Phase.HEAD:
-            first.insert(0, checked.issues.launch_rows(g.tag(Phase.HEAD, Half.K)))
-        verify_rows = _ops.pending_rows(first, capacity)
+        verify_rows = _ops.pending_rows([(v.flags, v.build_rows) for v in verifies], capacity)
         store_after = _ring.after(*(p.rows for p in verify_rows))
-        input_rows, verify_rows = verify_rows[: len(first) - len(verifies)], verify_rows[len(first) - len(verifies) :]
         writes = []
         for h in self.halves:
             buf, launch = _ops.write_launch(
@@ -317,7 +394,7 @@ class KvCanary:
             buffers = buffers.with_buffer(phase, h, buf)
             writes.append(launch)
         write_rows = _ops.pending_rows([(w.flags, w.build_rows) for w in writes], capacity)
-        in_launch_order = input_rows + [p for pair in zip(verify_rows, write_rows, strict=True) for p in pair]
+        in_launch_order = [p for pair in zip(verify_rows, write_rows, strict=True) for p in pair]
         launches = [x for pair in zip(verifies, writes, strict=True) for x in pair]
         device = _ops.apply(state.device, in_launch_order, launches)
         # Only the HEAD phase counts overflows: the TAIL phase rebuilds the identical plan.

@@ -24,6 +24,7 @@ from kvcanary_jax.core import _constants as constants
 from kvcanary_jax.core import _plans, _ring
 from kvcanary_jax.core._constants import FailReason, InputField, InputProblem
 from pallas_kernels import hash64, layout, prefix
+from pallas_kernels.phase import common as phase_common
 
 _RESERVED_SLOT = layout.PADDING_SLOT
 
@@ -46,6 +47,10 @@ class Issues:
         """Broadcasts every field to ``problem``'s shape."""
         full = lambda x: jnp.broadcast_to(jnp.asarray(x, jnp.int32), problem.shape)  # noqa: E731
         return cls(*(full(x) for x in (problem, field, value, limit, slot, position, entry, request)))
+
+    def flat(self) -> Issues:
+        """The same entries, flattened row-major (request-major, then position, for a ``[bs, context]`` check)."""
+        return Issues(*(getattr(self, f.name).reshape(-1) for f in dataclasses.fields(Issues)))
 
     @staticmethod
     def concat(parts: list[Issues]) -> Issues:
@@ -180,22 +185,92 @@ def slot_problems(slots: jax.Array, live: jax.Array, *, num_slots: int, reserved
     )
 
 
+def token_history_lens(batch, token_pool: jax.Array) -> jax.Array:
+    """i32[bs] the known prefix of each row's token history, within the expected-token pool's width (a longer one
+    is an ``INVALID_INPUT`` row of the rows' checks)."""
+    return jnp.clip(batch.token_ids_lens, 0, token_pool.shape[1])
+
+
+def request_slots(batch, rows: Rows, *, full_num_slots: int) -> jax.Array:
+    """i32[T] each token's FULL-pool slot for the launches: -1 (skipped) for the tokens of rows that are not
+    requests and for slots the checks reject (outside ``[1, full_num_slots)``)."""
+    loc = batch.out_cache_loc
+    return jnp.where(_live_tokens(rows) & (_token_problems(loc, rows, full_num_slots) == 0), loc, -1)
+
+
+def _live_tokens(rows: Rows) -> jax.Array:
+    """bool[T]: token entries owned by a row that is a request."""
+    return (rows.token_rows >= 0) & rows.active[jnp.maximum(rows.token_rows, 0)]
+
+
+def _token_problems(loc: jax.Array, rows: Rows, full_num_slots: int) -> jax.Array:
+    return slot_problems(loc, _live_tokens(rows) & (loc >= 0), num_slots=full_num_slots)
+
+
+def group_issues(batch, rows: Rows, *, window: int, num_slots: int, full_num_slots: int) -> Issues:
+    """A group's ``INVALID_INPUT`` candidates, in ring order: the rows' (FULL group only), then the tokens', then
+    the cached positions' (request-major, position ascending: the verify plan's entry order).
+
+    The FULL group (``window == 0``) checks ``out_cache_loc`` and the ``req_to_token`` values of every cached
+    position against ``[1, num_slots)``; the SWA group checks what ``full_to_swa_index_mapping`` makes of the values
+    the FULL group accepted, against its own ``num_slots`` (in its window; slot 0 there means "not resident").
+    """
+    rpi, t = batch.req_pool_indices, jnp.arange(batch.out_cache_loc.shape[0], dtype=jnp.int32)
+    row_of = jnp.maximum(rows.token_rows, 0)
+    token_request = jnp.where(_live_tokens(rows), rpi[row_of], -1)
+    position = batch.prefix_lens[row_of] + t - rows.span_starts[row_of]
+    full_loc = request_slots(batch, rows, full_num_slots=full_num_slots)
+    # The cached positions of each request: its req_to_token row, [bs, context], positions < prefix_lens.
+    table = batch.req_to_token[jnp.clip(rpi, 0, batch.req_to_token.shape[0] - 1)]
+    pos = jnp.arange(table.shape[1], dtype=jnp.int32)[None, :]
+    start = jnp.maximum(batch.prefix_lens - window, 0) if window else jnp.zeros_like(batch.prefix_lens)
+    cached = rows.active[:, None] & (pos < batch.prefix_lens[:, None]) & (pos >= start[:, None])
+    raw_problem = slot_problems(table, cached, num_slots=full_num_slots)
+    entry = jnp.broadcast_to(jnp.arange(rpi.shape[0], dtype=jnp.int32)[:, None], table.shape)
+    at = dict(
+        position=jnp.broadcast_to(pos, table.shape), entry=entry, request=jnp.broadcast_to(rpi[:, None], table.shape)
+    )
+    if not window:
+        return Issues.concat(
+            [
+                rows.issues,
+                Issues.of(_token_problems(batch.out_cache_loc, rows, full_num_slots), InputField.OUT_CACHE_LOC,
+                          batch.out_cache_loc, limit=num_slots, slot=batch.out_cache_loc, position=position, entry=t,
+                          request=token_request),
+                Issues.of(raw_problem, InputField.REQ_TO_TOKEN, table, limit=num_slots, slot=table, **at).flat(),
+            ]
+        )  # fmt: skip
+    lut = batch.full_to_swa_index_mapping
+    out_of_range = int(InputProblem.OUT_OF_RANGE)
+    swa_loc = _plans.translate(full_loc, lut)
+    loc_bad = (full_loc >= 0) & ((swa_loc < 0) | (swa_loc >= num_slots))
+    swa = _plans.translate(jnp.where(cached & (raw_problem == 0), table, -1), lut)
+    swa_bad = cached & (raw_problem == 0) & ((swa < 0) | (swa >= num_slots))
+    lut_field = InputField.FULL_TO_SWA_INDEX_MAPPING
+    return Issues.concat(
+        [
+            Issues.of(jnp.where(loc_bad, out_of_range, 0), lut_field, swa_loc, limit=num_slots, slot=full_loc,
+                      position=position, entry=t, request=token_request),
+            Issues.of(jnp.where(swa_bad, out_of_range, 0), lut_field, swa, limit=num_slots, slot=table, **at).flat(),
+        ]
+    )  # fmt: skip
+
+
 @dataclasses.dataclass(frozen=True)
 class Group:
-    """One group's launch inputs after the checks, with its bad values masked out.
+    """One group's plans for the per-launch ops, with the values the checks reject masked out.
 
     Attributes:
-      verify_plan, write_plan: the plans, bad slots skipped (slot 0) and bad predecessors unreachable (0).
-      out_cache_loc: i32[T] the group's write slots; bad ones and those of rows that are not requests are -1.
+      verify_plan, write_plan: the plans, bad slots skipped (slot 0) and bad predecessors unreachable (0), as
+        ``pallas_kernels.phase.common.plan_slots`` does it in the fused phase.
+      out_cache_loc: i32[T] the group's write slots; -1 for the tokens the launches skip.
       entry_requests: i32[2, verify_capacity] each verify entry's request row and batch row (rows' context).
-      issues: this group's INVALID_INPUT candidates (the FULL group's include the rows').
     """
 
     verify_plan: _plans.VerifyPlan
     write_plan: _plans.WritePlan
     out_cache_loc: jax.Array
     entry_requests: jax.Array
-    issues: Issues
 
 
 def check_group(
@@ -209,23 +284,15 @@ def check_group(
     token_pool: jax.Array | None,
     token_offset: int,
 ) -> Group:
-    """Builds one group's plans from the checked rows, and checks the slots they and the tokens name.
-
-    The FULL group (``window == 0``) checks ``req_to_token`` and ``out_cache_loc`` against ``[1, num_slots)``; the
-    SWA group checks what ``full_to_swa_index_mapping`` makes of them against its own ``num_slots`` (slot 0 there
-    means "not resident", as in SGLang).
-    """
+    """Builds one group's plans from the checked rows for the per-launch ops (the fused phase builds its own)."""
     rpi = batch.req_pool_indices
-    table = batch.req_to_token
     lut = batch.full_to_swa_index_mapping if window else None
-    valid_lens = None
-    if token_pool is not None:
-        valid_lens = jnp.clip(batch.token_ids_lens, 0, token_pool.shape[1])
+    valid_lens = None if token_pool is None else token_history_lens(batch, token_pool)
     verify_plan, write_plan, plan_rows = _plans.build(
         jnp.where(rows.active, rpi, 0),
         batch.prefix_lens,
         batch.extend_lens,
-        table,
+        batch.req_to_token,
         active=rows.active,
         span_lens=rows.span_lens,
         verify_capacity=verify_capacity,
@@ -238,58 +305,19 @@ def check_group(
     )
     entries = jnp.arange(verify_capacity, dtype=jnp.int32)
     used = (entries < verify_plan.num_valid[0]) & (verify_plan.enable[0] != 0)
+    gather_lut, lut_size = (None, None) if lut is None else ((lambda i: lut[i]), lut.shape[0])
+    slot, prev = phase_common.plan_slots(
+        plan_rows.raw_slots, plan_rows.raw_prev, gather_lut, lut_size, full_slots=full_num_slots, group_slots=num_slots
+    )
+    verify_plan = dataclasses.replace(
+        verify_plan, slot_indices=jnp.where(used, slot, 0), prev_slot_indices=jnp.where(used, prev, 0)
+    )
     batch_row = plan_rows.verify_rows
     request = jnp.where(used, rpi[jnp.maximum(batch_row, 0)], -1)
-    raw_problem = slot_problems(plan_rows.raw_slots, used, num_slots=full_num_slots)
-    raw_prev_bad = (
-        used & (plan_rows.raw_prev != -1) & ((plan_rows.raw_prev < 0) | (plan_rows.raw_prev >= full_num_slots))
-    )
-
-    t = jnp.arange(batch.out_cache_loc.shape[0], dtype=jnp.int32)
-    tok_row = rows.token_rows
-    tok_live = (tok_row >= 0) & rows.active[jnp.maximum(tok_row, 0)]
-    loc = batch.out_cache_loc
-    loc_problem = slot_problems(loc, tok_live & (loc >= 0), num_slots=full_num_slots)
-    tok_request = jnp.where(tok_live, rpi[jnp.maximum(tok_row, 0)], -1)
-    row_of = jnp.maximum(tok_row, 0)
-    position = batch.prefix_lens[row_of] + t - rows.span_starts[row_of]
-    full_loc = jnp.where(tok_live & (loc_problem == 0), loc, -1)
-
-    if lut is None:
-        issues = Issues.concat(
-            [
-                rows.issues,
-                Issues.of(loc_problem, InputField.OUT_CACHE_LOC, loc, limit=num_slots, slot=loc, position=position, entry=t, request=tok_request),
-                Issues.of(raw_problem, InputField.REQ_TO_TOKEN, plan_rows.raw_slots, limit=num_slots, slot=plan_rows.raw_slots, position=verify_plan.expected_positions, entry=batch_row, request=request),
-            ]
-        )  # fmt: skip
-        skip, unreachable, out_cache_loc = raw_problem != 0, raw_prev_bad, full_loc
-    else:
-        # What the LUT makes of slots the FULL group accepted; slots it rejected are skipped here without a row.
-        swa_slot, swa_prev = verify_plan.slot_indices, verify_plan.prev_slot_indices
-        slot_bad = used & (raw_problem == 0) & ((swa_slot < 0) | (swa_slot >= num_slots))
-        prev_bad = used & (swa_prev != -1) & ((swa_prev < 0) | (swa_prev >= num_slots))
-        swa_loc = _plans.translate(full_loc, lut)
-        loc_bad = (full_loc >= 0) & ((swa_loc < 0) | (swa_loc >= num_slots))
-        lut_field = InputField.FULL_TO_SWA_INDEX_MAPPING
-        out_of_range = int(InputProblem.OUT_OF_RANGE)
-        issues = Issues.concat(
-            [
-                Issues.of(jnp.where(loc_bad, out_of_range, 0), lut_field, swa_loc, limit=num_slots, slot=full_loc, position=position, entry=t, request=tok_request),
-                Issues.of(jnp.where(slot_bad, out_of_range, 0), lut_field, swa_slot, limit=num_slots, slot=plan_rows.raw_slots, position=verify_plan.expected_positions, entry=batch_row, request=request),
-            ]
-        )  # fmt: skip
-        skip, unreachable = (raw_problem != 0) | slot_bad, raw_prev_bad | prev_bad
-        out_cache_loc = jnp.where(loc_bad, -1, swa_loc)
-    verify_plan = dataclasses.replace(
-        verify_plan,
-        slot_indices=jnp.where(skip, _RESERVED_SLOT, verify_plan.slot_indices),
-        prev_slot_indices=jnp.where(unreachable, 0, verify_plan.prev_slot_indices),
-    )
+    full_loc = request_slots(batch, rows, full_num_slots=full_num_slots)
     return Group(
         verify_plan=verify_plan,
         write_plan=write_plan,
-        out_cache_loc=out_cache_loc,
+        out_cache_loc=phase_common.write_slots(full_loc, gather_lut, lut_size, num_slots),
         entry_requests=jnp.stack([request, batch_row]),
-        issues=issues,
     )

@@ -5,6 +5,8 @@ uint64 constants >= 2^63, multiple indexers (pallas_notes §5). ``jax.export(...
 lowering on CPU. It does not compile PTX; the GPU run (``benchmarks/gpu_validate.py``) covers the rest.
 """
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -12,6 +14,8 @@ from jax import export
 
 import kvcanary_jax as kc
 from pallas_kernels import compat, realkv
+from pallas_kernels.phase import api as phase_api
+from pallas_kernels.phase import common as phase_common
 from pallas_kernels.verify import api as verify_api
 from pallas_kernels.write import api as write_api
 from pallas_kernels.write import pallas_triton as write_triton
@@ -159,3 +163,82 @@ def test_canary_ops_lower():
 
     text = _export(jax.jit(step, donate_argnums=(0, 1)), state, buf, vplan, wplan, *([i32(TOKENS)] * 3), sources)
     assert text.count(compat.TRITON_CUSTOM_CALL_TARGET) == 3  # verify, write chain, write store
+
+
+def _phase_args(tokens, *, swa: bool):
+    i32 = lambda *shape: S(shape, jnp.int32)  # noqa: E731
+    num_slots = 400 if swa else NUM_SLOTS
+    log = phase_common.Log(S((64, 8, 2), jnp.uint32), i32(1), S((12, 2), jnp.uint32), S((12, 2), jnp.uint32))
+    batch = phase_common.Batch(
+        i32(REQS),
+        i32(REQS),
+        i32(REQS),
+        i32(REQS + 1, 40),
+        i32(tokens),
+        i32(tokens),
+        i32(tokens),
+        i32(NUM_SLOTS + 1) if swa else None,
+        i32(REQS + 1, 40),
+        i32(REQS),
+        i32(tokens),
+        i32(tokens),
+    )
+    buffers = (S((num_slots, 4, 2), jnp.uint32),) * 2
+    return buffers, log, batch, i32(1)
+
+
+@pytest.mark.parametrize(
+    "tokens,swa", [(TOKENS, True), (write_triton.PAIRWISE_MAX_TOKENS + 1, False)], ids=["pairwise_swa", "sort"]
+)
+def test_phase_lowers(tokens, swa):
+    buffers, log, batch, cpa = _phase_args(tokens, swa=swa)
+    sources = tuple(
+        tuple(
+            dataclasses.replace(s, data=S((-(-buffers[0].shape[0] // s.page_size), *s.data.shape[1:]), s.data.dtype))
+            for s in _sources(*dtypes)
+        )
+        for dtypes in ((jnp.bfloat16,), (jnp.float8_e4m3fn, jnp.int8))
+    )
+
+    def fn(buffers, log, batch, cpa, sources):
+        return phase_api.phase(
+            buffers,
+            log,
+            batch,
+            cpa,
+            tags=(8, 9) if swa else (2, 3),
+            real_kv_sources=sources,
+            real_kv_hash_mode=2,
+            verify_capacity=CAPACITY,
+            window=6 if swa else 0,
+            token_offset=1,
+            backend="pallas",
+        )
+
+    text = _export(jax.jit(fn, donate_argnums=(0, 1)), buffers, log, batch, cpa, sources)
+    assert text.count(compat.TRITON_CUSTOM_CALL_TARGET) == 3
+    dedupe = "pairwise" if tokens <= write_triton.PAIRWISE_MAX_TOKENS else "sort"
+    for name in ("kvcanary_phase_check_block=128", "kvcanary_phase_ring", f"kvcanary_phase_store_block=128_{dedupe}"):
+        assert name in text
+
+
+def test_decode_step_has_six_kernels_and_no_while_loop():
+    """The runner's HEAD + TAIL (K and V, real KV) lower to three Triton launches per phase and no XLA while loop
+    (XLA:GPU copies a while loop's predicate to the host every iteration)."""
+    bs, ctx, page = 8, 64, 16
+    canary = kc.KvCanary(
+        kc.CanaryConfig(real_kv_hash_mode="partial", ring_capacity=64),
+        kc.CanaryPool(num_slots=bs * ctx + page, page_size=page, verify_capacity=bs * ctx),
+    )
+    state = jax.tree.map(lambda x: S(x.shape, x.dtype), jax.eval_shape(canary.init_state))
+    i32 = lambda *shape: S(shape, jnp.int32)  # noqa: E731
+    batch = kc.CanaryBatch(i32(bs), i32(bs), i32(bs), i32(bs + 1, ctx), i32(bs), i32(bs), i32(bs))
+    kv = S((bs * ctx // page + 1, page, 8, 128), jnp.bfloat16)
+
+    def step(state, batch, k, v):
+        state = canary.before_forward(state, batch)
+        return canary.after_forward(state, batch, canary.kv_sources(full_k=k, full_v=v))
+
+    text = _export(jax.jit(step, donate_argnums=0), state, batch, kv, kv)
+    assert text.count(compat.TRITON_CUSTOM_CALL_TARGET) == 6
+    assert "stablehlo.while" not in text

@@ -18,10 +18,11 @@ CANARY = kc.KvCanary(
     kc.CanaryConfig(real_kv_hash_mode="partial", enable_write_input_assert=True, backend="pallas"),
     kc.CanaryPool(num_slots=NUM_SLOTS, page_size=PAGE),
 )
-# The kernels of a step: verify, and a chain walk and a record store per write. (Launches of one shape share one
-# lowered function, so the module holds each kernel once or twice, not once per launch.)
+# The kernels of a step. On TPU, the single ops' Mosaic kernels: verify, and a chain walk and a record store per
+# write (launches of one shape share one lowered function, so each appears once or twice, not once per launch). On
+# GPU, the fused phase's three Triton kernels per phase.
 MOSAIC = ("kvcanary_verify_mosaic", "kvcanary_write_chain_mosaic", "kvcanary_write_store_mosaic")
-TRITON = ("kvcanary_verify", "kvcanary_write_chain", "kvcanary_write_store")
+TRITON = ("kvcanary_phase_check", "kvcanary_phase_ring", "kvcanary_phase_store")
 
 
 def _step(k, v, state, batch):

@@ -8,6 +8,7 @@ import dataclasses
 import functools
 import logging
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -29,8 +30,7 @@ def _canary(padding: str = "negative", **config) -> kc.KvCanary:
     )
 
 
-@functools.cache
-def _step(canary: kc.KvCanary):
+def _make_step(canary: kc.KvCanary):
     @functools.partial(jax.jit, donate_argnums=(0, 1))
     def step(k, state, batch):
         state = canary.before_forward(state, batch)
@@ -41,6 +41,9 @@ def _step(canary: kc.KvCanary):
         return k, state
 
     return step
+
+
+_step = functools.cache(_make_step)
 
 
 @dataclasses.dataclass
@@ -287,3 +290,37 @@ def test_unsupported_kv_dtypes_and_sourceless_real_kv_modes_are_refused_by_name(
         ValueError, match=r"real_kv_hash_mode=ALL folds the slots' KV bytes, but real_kv_sources is empty"
     ):
         kc.canary_verify(state, kc.allocate_canary_buffer(NUM_SLOTS), plan, tag=2, real_kv_hash_mode="all")
+
+
+_BAD_INPUTS = {
+    "slot past the pool": lambda t, f, i: _bad_slot_from_step_3(t, f, i),
+    "slot 0 inside a request": lambda t, f, i: t.__setitem__((B.row, 1), 0),
+    "negative extend": lambda t, f, i: f["extend_lens"].__setitem__(1, -2) if i >= 3 else None,
+    "tokens past the arrays": lambda t, f, i: f["extend_lens"].__setitem__(0, TOKENS + 1) if i == 2 else None,
+}
+
+
+def _states(step, canary, edit, steps=6):
+    k, state = jnp.zeros((NUM_SLOTS // PAGE, PAGE, 2, 8), jnp.float32), canary.init_state()
+    for i in range(steps):
+        k, state = step(k, state, _batch([A, B], i, edit=lambda t, f, i=i: edit(t, f, i)))
+    return state
+
+
+@pytest.mark.parametrize("name", list(_BAD_INPUTS))
+def test_the_fused_and_the_per_launch_phase_agree_on_bad_inputs(name, monkeypatch):
+    """The fused phase (GPU and default path) and the per-launch ops (the TPU's path) mask and report a bad value
+    the same way, byte for byte, ring context included."""
+    canary = _canary()
+    want = _states(_step(canary), canary, _BAD_INPUTS[name])
+    assert any(v.fail_reason & FailReason.INVALID_INPUT for v in _rows(want)), name
+    monkeypatch.setattr(kc.KvCanary, "_fused_phase", kc.KvCanary._per_launch_phase)
+    chex.assert_trees_all_equal(_states(_make_step(canary), canary, _BAD_INPUTS[name]), want)
+
+
+def test_the_fused_kernels_mask_and_report_like_the_reference():
+    """The Triton kernels (interpreted) on a run with a bad slot and a bad row: the same state as the xla path."""
+    edit = lambda t, f, i: (_bad_slot_from_step_3(t, f, i), f["extend_lens"].__setitem__(0, -1) if i == 4 else None)  # noqa: E731
+    want = _states(_step(_canary()), _canary(), edit)
+    interpret = _canary(backend="interpret")
+    chex.assert_trees_all_equal(_states(_step(interpret), interpret, edit), want)

@@ -1,0 +1,168 @@
+"""``phase``: one fused HEAD/TAIL phase of a canary group, on the chosen backend."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels import backend as backends
+from pallas_kernels import checks, layout, realkv
+from pallas_kernels.phase import common, pallas_triton, reference
+
+Batch = common.Batch
+Log = common.Log
+
+
+def _check_batch(batch: Batch) -> tuple[int, int]:
+    if not isinstance(batch, Batch):
+        raise TypeError(f"batch must be a pallas_kernels.phase.api.Batch; got {type(batch).__name__}")
+    requests = {
+        "req_pool_indices": batch.req_pool_indices,
+        "prefix_lens": batch.prefix_lens,
+        "extend_lens": batch.extend_lens,
+    }
+    for name, x in requests.items():
+        checks.array(f"batch.{name}", x, dtype=jnp.int32, ndim=1)
+    num_reqs = checks.same_length(requests)
+    if num_reqs < 1:
+        raise ValueError(f"the batch needs at least one request row; got req_pool_indices.shape={(num_reqs,)}")
+    checks.array("batch.req_to_token", batch.req_to_token, dtype=jnp.int32, ndim=2)
+    tokens = {"input_ids": batch.input_ids, "positions": batch.positions, "out_cache_loc": batch.out_cache_loc}
+    if (batch.expected_input_ids is None) != (batch.expected_input_positions is None):
+        raise ValueError(
+            "batch.expected_input_ids and batch.expected_input_positions turn on the input assert together"
+        )
+    if batch.expected_input_ids is not None:
+        tokens |= {
+            "expected_input_ids": batch.expected_input_ids,
+            "expected_input_positions": batch.expected_input_positions,
+        }
+    for name, x in tokens.items():
+        checks.array(f"batch.{name}", x, dtype=jnp.int32, ndim=1)
+    num_tokens = checks.same_length(tokens)
+    if batch.full_to_swa_index_mapping is not None:
+        checks.array("batch.full_to_swa_index_mapping", batch.full_to_swa_index_mapping, dtype=jnp.int32, ndim=1)
+    if (batch.token_pool is None) != (batch.token_pool_lens is None):
+        raise ValueError("batch.token_pool and batch.token_pool_lens turn on the verify-token check together")
+    if batch.token_pool is not None:
+        checks.array("batch.token_pool", batch.token_pool, dtype=jnp.int32, ndim=2)
+        checks.array("batch.token_pool_lens", batch.token_pool_lens, dtype=jnp.int32, shape=(num_reqs,))
+    for name in ("active", "span_lens"):
+        if getattr(batch, name) is not None:
+            checks.array(f"batch.{name}", getattr(batch, name), dtype=jnp.int32, shape=(num_reqs,))
+    return num_reqs, num_tokens
+
+
+def _check_log(log: Log) -> None:
+    if not isinstance(log, Log):
+        raise TypeError(f"log must be a pallas_kernels.phase.api.Log; got {type(log).__name__}")
+    checks.array("log.ring", log.ring, dtype=jnp.uint32, shape=(None, layout.VIOLATION_FIELDS, 2))
+    if log.ring.shape[0] < 1:
+        raise ValueError(f"log.ring needs at least one row; got log.ring.shape={tuple(log.ring.shape)}")
+    checks.array("log.write_index", log.write_index, dtype=jnp.int32, shape=(1,))
+    checks.array("log.kernel_run_counters", log.kernel_run_counters, dtype=jnp.uint32, shape=(None, 2))
+    shape = tuple(log.kernel_run_counters.shape)
+    checks.array("log.slot_run_counters", log.slot_run_counters, dtype=jnp.uint32, shape=shape)
+    if log.context is not None:
+        checks.array("log.context", log.context, dtype=jnp.int32, shape=(log.ring.shape[0], 3))
+
+
+def phase(
+    buffers: Sequence[jax.Array],
+    log: Log,
+    batch: Batch,
+    enable_chain_position_assert: jax.Array,
+    *,
+    tags: Sequence[int],
+    real_kv_sources: Sequence[Sequence[realkv.RealKvSource]] | None = None,
+    real_kv_hash_mode: int = 0,
+    verify_capacity: int,
+    window: int = 0,
+    token_offset: int = 0,
+    full_slots: int | None = None,
+    backend: str = "auto",
+) -> tuple[tuple[jax.Array, ...], Log, jax.Array]:
+    """One HEAD or TAIL phase of a group: plans, then per half verify K/V and write K/V, rows, counters.
+
+    The effects equal the verify and write ops run one launch at a time in SGLang's order (verify K, write K,
+    verify V, write V; ``reference.phase`` states it), on every backend, byte for byte.
+
+    Args:
+      buffers: one or two (K, then V) u32[num_slots, 4, 2] canary buffers of one group; donate them under jit.
+      log: :class:`Log` (ring u32[capacity, 8, 2], write index i32[1], counters u32[num_tags, 2]).
+      batch: :class:`Batch`, the step's i32 arrays (R requests, T tokens).
+      enable_chain_position_assert: i32[1].
+      tags: static launch tag per half.
+      real_kv_sources: per half, up to 4 sources (None: none).
+      real_kv_hash_mode: NONE=0, PARTIAL=1 or ALL=2.
+      verify_capacity: static verify-plan capacity (positive).
+      window: static sliding window (> 0 for an SWA group, which also needs the batch's LUT).
+      token_offset: static KV-position to token-id offset of the verify-token check.
+      full_slots: static slot count of the FULL pool (the range of ``req_to_token``'s values); None: the buffers'.
+        Plan entries whose slots the pools cannot hold are left out (``common.plan_slots``); tokens whose slot is
+        outside this group's pool are skipped.
+      backend: ``"xla"`` (``reference``), ``"pallas"`` (the Triton kernels on GPU), ``"interpret"`` (them,
+        interpreted) or ``"auto"`` (the Triton kernels on GPU, else ``"xla"``). There are no Mosaic kernels:
+        ``"pallas"`` lowered for TPU and ``"interpret_tpu"`` raise (the runner uses the per-launch ops there).
+
+    Returns:
+      ``(buffers, log, enable)``: new buffers, new log, and i32[1] 0 when the verify plan overflowed.
+
+    Raises:
+      ValueError, TypeError: for a wrong shape, dtype or static argument, naming it.
+      NotImplementedError: for a backend without a fused phase on the platform it is lowered for.
+    """
+    buffers = tuple(buffers) if isinstance(buffers, (tuple, list)) else buffers
+    if not isinstance(buffers, tuple) or len(buffers) not in (1, 2):
+        raise ValueError(f"buffers must be a tuple of one or two canary buffers (K, V); got {buffers!r:.80}")
+    num_slots = {checks.canary_buffer(b, f"buffers[{h}]") for h, b in enumerate(buffers)}
+    if len(num_slots) != 1:
+        raise ValueError(f"the K and V buffers of a group must have the same num_slots; got {sorted(num_slots)}")
+    (num_slots,) = num_slots
+    _check_log(log)
+    _check_batch(batch)
+    checks.array("enable_chain_position_assert", enable_chain_position_assert, dtype=jnp.int32, shape=(1,))
+    num_tags = log.kernel_run_counters.shape[0]
+    if not isinstance(tags, (tuple, list)) or len(tags) != len(buffers) or len(set(tags)) != len(tags):
+        raise ValueError(f"tags must hold one distinct launch tag per buffer; got {tags=} for {len(buffers)} buffers")
+    # int(): a CanaryLaunchTag becomes a plain int; a bool stays, so static_int rejects it.
+    tags = tuple(
+        checks.static_int(
+            f"tags[{h}]", t if isinstance(t, bool) or not isinstance(t, int) else int(t), maximum=num_tags
+        )
+        for h, t in enumerate(tags)
+    )
+    real_kv_sources = real_kv_sources if real_kv_sources is not None else ((),) * len(buffers)
+    if not isinstance(real_kv_sources, (tuple, list)) or len(real_kv_sources) != len(buffers):
+        raise ValueError(f"real_kv_sources must hold one tuple of sources per buffer; got {real_kv_sources!r:.80}")
+    real_kv_sources = tuple(
+        realkv.validate_sources(s, num_slots=num_slots, arg=f"real_kv_sources[{h}]")
+        for h, s in enumerate(real_kv_sources)
+    )
+    checks.static_int("real_kv_hash_mode", real_kv_hash_mode, maximum=layout.REAL_KV_ALL + 1)
+    checks.positive_int("verify_capacity", verify_capacity)
+    checks.static_int("window", window)
+    checks.static_int("token_offset", token_offset, minimum=-(2**31))
+    if full_slots is not None:
+        full_slots = checks.positive_int("full_slots", full_slots)
+    if window > 0 and batch.full_to_swa_index_mapping is None:
+        raise ValueError(f"window={window} needs batch.full_to_swa_index_mapping (the full->SWA LUT)")
+    static = dict(
+        tags=tags,
+        real_kv_hash_mode=real_kv_hash_mode,
+        verify_capacity=verify_capacity,
+        window=window,
+        token_offset=token_offset,
+        full_slots=full_slots,
+    )
+
+    def xla(buffers, log, batch, cpa, sources):
+        return reference.phase(buffers, log, batch, cpa, real_kv_sources=sources, **static)
+
+    def triton(buffers, log, batch, cpa, sources, *, interpret):
+        return pallas_triton.phase(buffers, log, batch, cpa, sources, interpret=interpret, **static)
+
+    run = backends.dispatch(backend, xla=xla, triton=triton, mosaic=None)
+    return run(buffers, log, batch, enable_chain_position_assert, real_kv_sources)

@@ -1,0 +1,211 @@
+"""Element-wise pieces of the fused phase shared by the jnp reference and the Triton kernels.
+
+Plan formulas (SGLang's plan kernels: per-request verify and write lengths, slot translation) and the two
+violation-row layouts are written once here with plain ``jnp`` ops, so they trace the same way in a jitted jnp
+function and inside a Pallas kernel body.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels import hash64, layout, records
+
+# Per-token write flags of the chain walk (one i32 word per token and half).
+FLAG_WRITTEN = 1
+FLAG_CHAIN_POSITION = 2  # the chain-position assert failed: one WRITE_POSITION row
+INPUT_BITS = layout.FAIL_WRITE_TOKEN | layout.FAIL_WRITE_POSITION  # the input assert's row bits, kept as they are
+
+
+class Batch(NamedTuple):
+    """One forward step as the phase sees it; every array is int32.
+
+    Attributes:
+      req_pool_indices, prefix_lens, extend_lens: i32[R] (by default row 0 of ``req_to_token`` is padding).
+      req_to_token: i32[max_reqs, max_context_len] full-pool slot of each (row, position).
+      input_ids, positions, out_cache_loc: i32[T] this step's tokens, request-major (full-pool slots).
+      full_to_swa_index_mapping: i32[full_slots + 1], or None; given, it translates every slot (SWA group).
+      token_pool: i32[rows, len] expected tokens (verify-token check on), or None.
+      token_pool_lens: i32[R] valid prefix of each request's pool row; with ``token_pool`` only.
+      expected_input_ids, expected_input_positions: i32[T] the write input assert's oracle, or None (off).
+      active: i32[R] nonzero for the rows that are requests (verified, seeding a chain); None: SGLang's
+        ``req_pool_indices != 0``.
+      span_lens: i32[R] (>= 0) token entries each row owns, request-major; a row that is not a request may own
+        tokens, which the caller skips (``out_cache_loc < 0``). None: SGLang's, ``max(extend_lens, 0)`` for the
+        active rows and 0 for the others.
+    """
+
+    req_pool_indices: jax.Array
+    prefix_lens: jax.Array
+    extend_lens: jax.Array
+    req_to_token: jax.Array
+    input_ids: jax.Array
+    positions: jax.Array
+    out_cache_loc: jax.Array
+    full_to_swa_index_mapping: jax.Array | None = None
+    token_pool: jax.Array | None = None
+    token_pool_lens: jax.Array | None = None
+    expected_input_ids: jax.Array | None = None
+    expected_input_positions: jax.Array | None = None
+    active: jax.Array | None = None
+    span_lens: jax.Array | None = None
+
+
+def with_roles(batch: Batch) -> Batch:
+    """``batch`` with ``active`` and ``span_lens`` given (SGLang's when they were None), as i32[R]."""
+    active = batch.active if batch.active is not None else (batch.req_pool_indices != 0).astype(jnp.int32)
+    span = batch.span_lens
+    if span is None:
+        span = jnp.where(active != 0, jnp.maximum(batch.extend_lens, 0), 0).astype(jnp.int32)
+    return batch._replace(active=active.astype(jnp.int32), span_lens=span)
+
+
+class Log(NamedTuple):
+    """The state a phase appends to and counts in.
+
+    Attributes:
+      ring: u32[capacity, 8, 2] fill-once violation rows.
+      write_index: i32[1] violations seen so far (saturates at 2^31 - 1).
+      kernel_run_counters, slot_run_counters: u32[num_tags, 2] u64 counters per launch tag.
+      context: i32[capacity, 3] beside each row: its request row (``req_pool_indices`` of its batch row), expected
+        position, and batch entry (batch row of a verify row, token entry of a write row); None keeps none.
+    """
+
+    ring: jax.Array
+    write_index: jax.Array
+    kernel_run_counters: jax.Array
+    slot_run_counters: jax.Array
+    context: jax.Array | None = None
+
+
+def pad_tokens(batch: Batch) -> Batch:
+    """A batch of no tokens gets one skipped token (``out_cache_loc = -1``): same effects, no empty arrays."""
+    if batch.input_ids.shape[0]:
+        return batch
+    one = lambda fill: jnp.full((1,), fill, jnp.int32)  # noqa: E731
+    padded = dict(input_ids=one(0), positions=one(0), out_cache_loc=one(-1))
+    if batch.expected_input_ids is not None:
+        padded.update(expected_input_ids=one(0), expected_input_positions=one(0))
+    return batch._replace(**padded)
+
+
+def jnp_index(i: jax.Array, n: int) -> jax.Array:
+    """The row a jnp gather reads for index ``i`` of an axis of length ``n``: negatives wrap once, then clamp.
+
+    The kernels gather from refs, which do no such normalisation; they apply this to user-given indices
+    (``req_pool_indices``) so they read exactly what the jnp plan build reads, even for out-of-range rows.
+    """
+    return jnp.clip(jnp.where(i < 0, i + n, i), 0, n - 1)
+
+
+def window_start(prefix_lens: jax.Array, window: int) -> jax.Array:
+    """First verified position: the last ``window`` cached positions with a sliding window, else 0."""
+    return jnp.maximum(prefix_lens - window, 0) if window > 0 else jnp.zeros_like(prefix_lens)
+
+
+def verify_len(active: jax.Array, prefix_lens: jax.Array, window: int) -> jax.Array:
+    """Verify entries of each row: its cached positions (in the window); 0 for a row that is not a request."""
+    return jnp.where(active != 0, jnp.maximum(prefix_lens - window_start(prefix_lens, window), 0), 0)
+
+
+def plan_slots(
+    raw: jax.Array, raw_prev: jax.Array, gather_lut, lut_size: int | None, *, full_slots: int, group_slots: int
+) -> tuple[jax.Array, jax.Array]:
+    """(slot, prev) of plan entries from their ``req_to_token`` values (``raw_prev`` -1 at a chain head).
+
+    A value the pools cannot hold is left out, as the runner's input checks report it: a slot outside
+    ``[1, full_slots)``, or whose SWA translation is outside ``[0, group_slots)``, becomes 0 (skipped); such a
+    predecessor becomes 0 (unreachable: no chain check). Valid values translate as SGLang's plan does.
+    """
+    slot = translate(raw, gather_lut, lut_size)
+    skip = (raw < 1) | (raw >= full_slots) | (slot < 0) | (slot >= group_slots)
+    prev = translate(raw_prev, gather_lut, lut_size)
+    bad_prev = (raw_prev != -1) & ((raw_prev < 0) | (raw_prev >= full_slots) | (prev < 0) | (prev >= group_slots))
+    return jnp.where(skip, layout.PADDING_SLOT, slot), jnp.where(bad_prev, 0, prev)
+
+
+def translate(slots: jax.Array, gather_lut, lut_size: int | None) -> jax.Array:
+    """Full-pool slots to SWA slots (``_plans.translate``): negatives pass, indices past the table clamp to its end.
+
+    ``gather_lut(index)`` reads the table; ``lut_size`` None means no table (the FULL group).
+    """
+    if lut_size is None:
+        return slots
+    return jnp.where(slots < 0, slots, gather_lut(jnp.clip(slots, 0, lut_size - 1)))
+
+
+def write_slots(out_cache_loc: jax.Array, gather_lut, lut_size: int | None, group_slots: int) -> jax.Array:
+    """The group's slot of each token; -1 (skipped: not stored, the chain does not advance) where the token is
+    skipped (< 0) or its slot is outside the group's pool."""
+    slot = translate(out_cache_loc, gather_lut, lut_size)
+    return jnp.where((slot >= 0) & (slot < group_slots), slot, -1)
+
+
+def token_row(write_offsets: jax.Array, i: jax.Array) -> jax.Array:
+    """The row whose span ``[write_offsets[r], write_offsets[r + 1])`` holds token entry ``i`` (clamped)."""
+    num_rows = write_offsets.shape[0] - 1
+    row = jnp.sum((write_offsets[None, 1:] <= i[..., None]).astype(jnp.int32), axis=-1)
+    return jnp.minimum(row, num_rows - 1)
+
+
+def row_context(request_row: jax.Array, expected_position: jax.Array, batch_entry: jax.Array) -> jax.Array:
+    """i32[..., 3] ring-row context (``Log.context``) from three i32 arrays of one shape."""
+    return jnp.stack([request_row, expected_position, batch_entry], axis=-1).astype(jnp.int32)
+
+
+def verify_row(
+    tag: int,
+    slot: jax.Array,
+    prev: jax.Array,
+    stored: records.Record,
+    expected_chain: hash64.U64,
+    expected_token: jax.Array,
+    bits: jax.Array,
+) -> list[hash64.U64]:
+    """The eight fields of a verify row (SGLang's ``canary_verify`` row), from already loaded values.
+
+    ``expected_chain`` is H(prev) (the anchor for prev < 0); an unreachable entry (prev == 0) reports its stored
+    PREV_HASH instead. ``expected_token`` is -1 when the token check is off.
+    """
+    token, position, prev_hash, _ = stored
+    return [
+        hash64.const(tag, slot),
+        hash64.from_i32(slot),
+        position,
+        token,
+        hash64.from_i32(expected_token),
+        prev_hash,
+        hash64.where(prev != 0, expected_chain, prev_hash),
+        hash64.from_i32(bits),
+    ]
+
+
+def write_row(
+    tag: int,
+    slot: jax.Array,
+    position: jax.Array,
+    token: jax.Array,
+    expected_token: jax.Array,
+    prev_hash: hash64.U64,
+    aux: hash64.U64,
+    bits: jax.Array,
+) -> list[hash64.U64]:
+    """The eight fields of a write row: an input-assert row or a chain-position row (``aux`` = expected position)."""
+    return [
+        hash64.const(tag, slot),
+        hash64.from_i32(slot),
+        hash64.from_i32(position),
+        hash64.from_i32(token),
+        hash64.from_i32(expected_token),
+        prev_hash,
+        aux,
+        hash64.from_i32(bits),
+    ]
+
+
+def pack_row(fields: list[hash64.U64]) -> jax.Array:
+    """Eight u64 fields to ``u32[..., 8, 2]`` (the ring's row layout)."""
+    return jnp.stack([hash64.join(f) for f in fields], axis=-2)

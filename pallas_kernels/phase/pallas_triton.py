@@ -1,0 +1,478 @@
+"""Fused phase kernels (Pallas Triton): one phase of a group (K and V together) in three launches.
+
+The per-launch path pays ~50 small kernels per decode step (plan build, prefix sums, row gathers, appends, counter
+bumps; ``benchmarks/RESULTS.md``). Here a phase is:
+
+  * ``kvcanary_phase_check``: programs ``[0, R)`` walk one request's write chain each (K and V side by side; the
+    seed records are read before any store, as the write op reads the pre-launch buffer), programs ``[R, R + B)``
+    verify one block of plan entries each, for every half. The plan is built in-kernel from the batch (request
+    lookup, ``req_to_token`` gathers, window), so it is never materialised. Outputs are small: each verify block's
+    flag count per half, each request's row count per half and written count, and the chain's per-token results.
+  * ``kvcanary_phase_ring``: every verify block or request with flags recomputes its entries (the same plan and
+    check code) and writes its rows straight into the ring at ``index + rank``; the rank is the flag counts of the
+    launches and programs before it (SGLang's order: verify K, write K, verify V, write V; plan-entry order within
+    a launch), so the ring is byte-identical to the per-launch path. Clean programs only read their counts and
+    exit. Program 0 also advances the write index and bumps the counters.
+  * ``kvcanary_phase_store``: per block of tokens, folds the real KV and stores the records of both halves in
+    place, with the write op's deterministic last-writer rule. It takes the ring kernel's index as an input, so it
+    runs after every verify row was read from the buffers it overwrites.
+
+No XLA loop, prefix sum or scatter is left in the step (only ``store.last_writer``'s sort for more than
+``PAIRWISE_MAX_TOKENS`` tokens, as in the write op).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
+
+from pallas_kernels import compat, hash64, kernel_io, layout, realkv, records
+from pallas_kernels.phase import common
+from pallas_kernels.phase import triton_common as tc
+from pallas_kernels.write import reference as write_reference
+from pallas_kernels.write import store
+
+Config = tc.Config
+PAIRWISE_MAX_TOKENS = 512  # as the write op (write/pallas_triton.py): pairwise scan below, sort above
+_INT32_MAX = 2**31 - 1
+
+
+def heuristic(capacity: int, num_tokens: int) -> Config:
+    """128 plan entries and up to 128 tokens per program on 4 warps (the verify and write ops' measured best)."""
+    return Config(
+        verify_block=min(128, compat.next_power_of_2(capacity)),
+        store_block=min(128, compat.next_power_of_2(num_tokens)),
+        dedupe="pairwise" if num_tokens <= PAIRWISE_MAX_TOKENS else "sort",
+    )
+
+
+# -- kvcanary_phase_check ----------------------------------------------------------------------------------------
+
+
+def _walk(inp: tc.Inputs, r, outs, st: tc.Static) -> None:
+    """Request ``r``'s write chain for every half: per token, the PREV_HASH to store, the chain-position assert
+    and the input assert; then its row and written counts. The last request also zeroes the flags of the
+    tokens no request covers."""
+    count_ref, prev_hash_ref, expected_ref, flags_ref = outs
+    start, count, own = tc.write_span(inp, r, st)
+    prefix, rpi = inp.prefix[r], inp.rpi[r]
+    num_rows, max_context = inp.rtt.shape
+    seed = tc.translate(inp, inp.rtt[common.jnp_index(rpi, num_rows), jnp.clip(prefix - 1, 0, max_context - 1)])
+    seed = jnp.where((inp.active[r] != 0) & (prefix > 0) & (own > 0), seed, -1)
+    check = (seed >= 0) & (inp.cpa[0] != 0) & (count > 0)
+    carry = []
+    for buf in inp.bufs:
+        record = kernel_io.load_record(buf, records.clamp_slots(seed, buf.shape[0]))
+        chain = hash64.where(seed < 0, hash64.anchor_hash(seed), records.chain_hash(record))
+        carry += [*chain, *record[1], jnp.int32(0)]  # running hash, running position, rows
+    carry.append(jnp.int32(0))  # written entries
+
+    def step(j, carry):
+        i = start + j
+        slot, token, position = tc.translate(inp, inp.loc[i]), inp.ids[i], inp.positions[i]
+        live = (slot >= 0) & (slot < st.group_slots)  # common.write_slots: skipped, or outside the pool
+        input_bits = jnp.int32(0)
+        if st.has_inputs:
+            input_bits = jnp.where(live & (token != inp.exp_ids[i]), jnp.int32(layout.FAIL_WRITE_TOKEN), 0)
+            input_bits |= jnp.where(live & (position != inp.exp_pos[i]), jnp.int32(layout.FAIL_WRITE_POSITION), 0)
+        out = []
+        for h in range(st.halves):
+            lo_hash, hi_hash, lo_pos, hi_pos, rows = carry[5 * h : 5 * h + 5]
+            running, previous = (lo_hash, hi_hash), (lo_pos, hi_pos)
+            expected, failed = write_reference.position_assert(previous, position, live, check)
+            prev_hash_ref[h, i, 0], prev_hash_ref[h, i, 1] = running
+            expected_ref[h, i, 0], expected_ref[h, i, 1] = expected
+            flags_ref[h, i] = (
+                jnp.where(live, jnp.int32(common.FLAG_WRITTEN), 0)
+                | jnp.where(failed, jnp.int32(common.FLAG_CHAIN_POSITION), 0)
+                | input_bits
+            )
+            rows = rows + (input_bits != 0).astype(jnp.int32) + failed.astype(jnp.int32)
+            running, previous = write_reference.advance(running, previous, token, position, live)
+            out += [*running, *previous, rows]
+        return (*out, carry[-1] + live.astype(jnp.int32))
+
+    carry = lax.fori_loop(jnp.int32(0), count, step, tuple(carry))
+    for h in range(st.halves):
+        count_ref[h, r] = carry[5 * h + 4]
+    count_ref[st.halves, r] = carry[-1]
+
+    @pl.when(r == st.num_reqs - 1)
+    def _zero_uncovered():  # unwritten outputs are garbage (pallas_notes §9, pitfall 8)
+        end, chunk = start + count, st.config.token_chunk
+
+        def body(c, _):
+            i = end + c * chunk + tc.arange(chunk)  # lanes past T are masked and out of range
+            for h in range(st.halves):
+                flags = jnp.zeros((chunk,), jnp.int32)
+                plt.store(flags_ref.at[jnp.full((chunk,), h, jnp.int32), i], flags, mask=i < st.num_tokens)
+            return c  # a traced carry: a constant one does not lower (scf.yield of a literal)
+
+        lax.fori_loop(jnp.int32(0), (st.num_tokens - end + chunk - 1) // chunk, body, jnp.int32(0))
+
+
+def _check_kernel(*refs, st: tc.Static):
+    """Chain walks (programs < R), then verify blocks: each block's flag count per half."""
+    inp, (vcount_ref, *chain_outs) = tc.take(refs, st)  # vcount i32[H, B]; see _walk for the rest
+    pid, num_reqs, block = pl.program_id(0), st.num_reqs, st.config.verify_block
+
+    @pl.when(pid < num_reqs)
+    def _chain():
+        _walk(inp, pid, chain_outs, st)
+
+    b = pid - num_reqs
+
+    @pl.when(pid >= num_reqs)
+    def _verify():
+        t = b * block + tc.arange(block)
+        req, start, total = tc.locate(inp, t, st)
+        active = jnp.where(total > st.capacity, 0, total)
+        busy = b * block < active
+
+        @pl.when(busy)
+        def _check():
+            entries = tc.plan_entries(inp, t, req, start, active, st)
+            for h in range(st.halves):
+                bits, _, _ = tc.check_half(inp, h, entries, st)
+                vcount_ref[h, b] = jnp.sum((bits != 0).astype(jnp.int32), dtype=jnp.int32)
+
+        @pl.when(jnp.logical_not(busy))
+        def _idle():
+            for h in range(st.halves):
+                vcount_ref[h, b] = jnp.int32(0)
+
+
+# -- kvcanary_phase_ring -----------------------------------------------------------------------------------------
+
+
+def _ring_kernel(*refs, st: tc.Static):
+    """Places the rows of every flagged verify block and request in the ring; program 0 also does the counts."""
+    inp, rest = tc.take(refs, st)
+    vcount_ref, req_count_ref, prev_hash_ref, expected_ref, flags_ref = rest[:5]
+    # rest[5] (and rest[6] with a context) are the ring (and its context) inputs, aliased to their outputs.
+    first = 7 if st.has_context else 6
+    index_ref, kernel_ref, slot_ref = rest[first : first + 3]
+    ring_ref, *context_out, index_out, kernel_out, slot_out, enable_out = rest[first + 3 :]
+    context_ref = context_out[0] if context_out else None
+    num_blocks, num_reqs, capacity = vcount_ref.shape[1], st.num_reqs, ring_ref.shape[0]
+    pid = pl.program_id(0)
+    index = index_ref[0]
+    room = jnp.maximum(capacity - index, 0)  # rows placed at index + k for k < room: no int32 overflow
+
+    def verify_total(h):
+        return tc.row_sum(vcount_ref, h, num_blocks, st)
+
+    def write_total(h):
+        return tc.row_sum(req_count_ref, h, num_reqs, st)
+
+    def launch_base(h):
+        """Rows of the launches before half h's verify: verify and write of every earlier half."""
+        base = jnp.int32(0)
+        for g in range(h):
+            base = base + verify_total(g) + write_total(g)
+        return base
+
+    for h in range(st.halves):
+
+        @pl.when((pid < num_blocks) & (room > 0) & (vcount_ref[h, jnp.minimum(pid, num_blocks - 1)] > 0))
+        def _verify_rows(h=h):
+            rel = launch_base(h) + tc.row_sum(vcount_ref, h, pid, st)
+
+            @pl.when(rel < room)
+            def _place():
+                _place_verify_rows(inp, h, pid, rel, index, room, ring_ref, context_ref, st)
+
+        r = pid - num_blocks
+
+        @pl.when((pid >= num_blocks) & (room > 0) & (req_count_ref[h, jnp.clip(r, 0, num_reqs - 1)] > 0))
+        def _write_rows(h=h, r=r):
+            rel = launch_base(h) + verify_total(h) + tc.row_sum(req_count_ref, h, r, st)
+
+            @pl.when(rel < room)
+            def _place():
+                outs = (prev_hash_ref, expected_ref, flags_ref)
+                _place_write_rows(inp, h, r, rel, index, room, outs, ring_ref, context_ref, st)
+
+    @pl.when(pid == 0)
+    def _bookkeeping():
+        flagged = jnp.int32(0)
+        for h in range(st.halves):
+            flagged = flagged + verify_total(h) + write_total(h)
+        index_out[0] = index + jnp.minimum(flagged, _INT32_MAX - index)  # saturates instead of wrapping
+        total, active = tc.verify_total(inp, st)
+        enable_out[0] = jnp.where(total > st.capacity, 0, 1).astype(jnp.int32)
+        written = tc.row_sum(req_count_ref, st.halves, num_reqs, st)
+        _bump(kernel_ref, kernel_out, {tag: jnp.int32(2) for tag in st.tags})  # a verify and a write per tag
+        _bump(slot_ref, slot_out, {tag: active + written for tag in st.tags})
+
+
+def _bump(counter_ref, out_ref, increments) -> None:
+    """``out = counters + increments`` on u64 (lo, hi) counters ``u32[num_tags, 2]``, every tag written."""
+    num_tags = counter_ref.shape[0]
+    lanes = tc.arange(compat.next_power_of_2(num_tags))
+    valid = lanes < num_tags
+    word = lambda w: jnp.full(lanes.shape, w, jnp.int32)  # noqa: E731
+    add = jnp.zeros(lanes.shape, jnp.uint32)
+    for tag, amount in increments.items():
+        add = add + jnp.where(lanes == tag, amount.astype(jnp.uint32), jnp.uint32(0))
+    old = tuple(plt.load(counter_ref.at[lanes, word(w)], mask=valid, other=0) for w in (0, 1))
+    new = hash64.add(old, (add, jnp.zeros_like(add)))
+    for w in (0, 1):
+        plt.store(out_ref.at[lanes, word(w)], new[w], mask=valid)
+
+
+def _place_verify_rows(inp, h: int, b, rel, index, room, ring_ref, context_ref, st: tc.Static) -> None:
+    """Recomputes block ``b``'s entries of half ``h`` and writes its flagged ones' rows at ``index + rel + rank``."""
+    block = st.config.verify_block
+    t = b * block + tc.arange(block)
+    req, start, total = tc.locate(inp, t, st)
+    entries = tc.plan_entries(inp, t, req, start, jnp.where(total > st.capacity, 0, total), st)
+    bits, stored, chain = tc.check_half(inp, h, entries, st)
+    flagged = (bits != 0).astype(jnp.int32)
+    k = rel + jnp.cumsum(flagged, dtype=jnp.int32) - flagged
+    ok = (flagged != 0) & (k < room)
+    token = entries.token if st.has_pool else jnp.full((block,), -1, jnp.int32)
+    fields = common.verify_row(st.tags[h], entries.slot, entries.prev, stored, chain, token, bits)
+    request = inp.rpi[entries.req]
+    context = (request, entries.position, entries.req)
+    tc.store_row(ring_ref, jnp.where(ok, index + k, ring_ref.shape[0]), ok, fields, context_ref, context)
+
+
+def _place_write_rows(inp, h: int, r, rel, index, room, outs, ring_ref, context_ref, st: tc.Static) -> None:
+    """Writes request ``r``'s rows of half ``h`` (per token: input-assert row, then chain-position row)."""
+    prev_hash_ref, expected_ref, flags_ref = outs
+    start, count, _ = tc.write_span(inp, r, st)
+    chunk, capacity, tag = st.config.token_chunk, ring_ref.shape[0], st.tags[h]
+    word = lambda w: jnp.full((chunk,), w, jnp.int32)  # noqa: E731
+    half = word(h)
+    request = jnp.full((chunk,), inp.rpi[r], jnp.int32)
+
+    def body(c, done):
+        i = start + c * chunk + tc.arange(chunk)
+        m = i < start + count
+        flags = tc.load_row(flags_ref, h, i, m)
+        input_bits = flags & common.INPUT_BITS
+        has_input = (input_bits != 0).astype(jnp.int32)
+        has_chain = ((flags & common.FLAG_CHAIN_POSITION) != 0).astype(jnp.int32)
+        rows = has_input + has_chain
+        first = rel + done + jnp.cumsum(rows, dtype=jnp.int32) - rows
+        slot = tc.translate(inp, tc.load(inp.loc, i, m))
+        token, position = tc.load(inp.ids, i, m), tc.load(inp.positions, i, m)
+        prev_hash = tuple(plt.load(prev_hash_ref.at[half, i, word(w)], mask=m, other=0) for w in (0, 1))
+        if st.has_inputs:
+            ok = (has_input != 0) & (first < room)
+            aux = hash64.from_i32(tc.load(inp.exp_pos, i, m))
+            fields = common.write_row(
+                tag, slot, position, token, tc.load(inp.exp_ids, i, m), prev_hash, aux, input_bits
+            )
+            context = (request, lax.bitcast_convert_type(aux[0], jnp.int32), i)
+            tc.store_row(ring_ref, jnp.where(ok, index + first, capacity), ok, fields, context_ref, context)
+        k = first + has_input
+        ok = (has_chain != 0) & (k < room)
+        aux = tuple(plt.load(expected_ref.at[half, i, word(w)], mask=m, other=0) for w in (0, 1))
+        bits = jnp.full((chunk,), layout.FAIL_WRITE_POSITION, jnp.int32)
+        fields = common.write_row(tag, slot, position, token, token, prev_hash, aux, bits)
+        context = (request, lax.bitcast_convert_type(aux[0], jnp.int32), i)
+        tc.store_row(ring_ref, jnp.where(ok, index + k, capacity), ok, fields, context_ref, context)
+        return done + jnp.sum(rows, dtype=jnp.int32)
+
+    lax.fori_loop(jnp.int32(0), (count + chunk - 1) // chunk, body, jnp.int32(0))
+
+
+# -- kvcanary_phase_store ----------------------------------------------------------------------------------------
+
+
+def _overwritten_later(inp, flags_ref, entry, slot, st: tc.Static) -> jax.Array:
+    """bool[block]: a later written token stores the same slot (its record wins, as in ``store.last_writer``)."""
+    num_tokens, cb = st.num_tokens, st.config.compare_block
+    first = pl.program_id(0) * st.config.store_block
+
+    def scan(c, hit):
+        other = first + c * cb + tc.arange(cb)
+        valid = other < num_tokens
+        other_slot = tc.translate(inp, tc.load(inp.loc, other, valid, other=-1))
+        other_written = (tc.load_row(flags_ref, 0, other, valid) & common.FLAG_WRITTEN) != 0
+        same = (slot[:, None] == other_slot[None, :]) & other_written[None, :] & (other[None, :] > entry[:, None])
+        # max over an int32 cast, not jnp.any: Triton has no reduce_or (pallas_notes §9, pitfall 4).
+        return jnp.maximum(hit, jnp.max(same.astype(jnp.int32), axis=1))
+
+    steps = (num_tokens - first + cb - 1) // cb  # not pl.cdiv: it breaks under x64
+    return lax.fori_loop(jnp.int32(0), steps, scan, jnp.zeros(entry.shape, jnp.int32)) != 0
+
+
+def _store_kernel(*refs, st: tc.Static):
+    """Folds and stores one block of tokens' records into every half's aliased ``u32[num_slots, 8]`` buffer."""
+    inp, rest = tc.take(refs, st, with_buffers=False)
+    flags_ref, prev_hash_ref = rest[:2]
+    winner_ref = rest[2] if st.config.dedupe == "sort" else None
+    outs = rest[-st.halves :]  # inputs before them: the ring kernel's index (ordering only)
+    block = st.config.store_block
+    entry = pl.program_id(0) * block + tc.arange(block)
+    in_range = entry < st.num_tokens  # ragged last block: no automatic bounds masks before jax 0.12
+    slot = tc.translate(inp, tc.load(inp.loc, entry, in_range, other=-1))
+    written = (tc.load_row(flags_ref, 0, entry, in_range) & common.FLAG_WRITTEN) != 0
+    if winner_ref is None:
+        winner = ~_overwritten_later(inp, flags_ref, entry, slot, st)
+    else:
+        winner = tc.load(winner_ref, entry, in_range) != 0
+    token = hash64.from_i32(tc.load(inp.ids, entry, in_range))
+    position = hash64.from_i32(tc.load(inp.positions, entry, in_range))
+    for h, buf_ref in enumerate(outs):
+        num_slots = buf_ref.shape[0]
+        ok = written & winner & (slot < num_slots)
+        half = jnp.full((block,), h, jnp.int32)
+        prev_hash = tuple(
+            plt.load(prev_hash_ref.at[half, entry, jnp.full((block,), w, jnp.int32)], mask=in_range, other=0)
+            for w in (0, 1)
+        )
+        real_kv = kernel_io.fold(inp.kv[h], st.specs[h], records.clamp_slots(slot, num_slots), st.mode)
+        kernel_io.store_record(buf_ref, jnp.where(ok, slot, num_slots), ok, (token, position, prev_hash, real_kv))
+
+
+# -- entry point -------------------------------------------------------------------------------------------------
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=(
+        "tags",
+        "real_kv_hash_mode",
+        "verify_capacity",
+        "window",
+        "token_offset",
+        "full_slots",
+        "interpret",
+        "config",
+    ),
+)
+def phase(
+    buffers: Sequence[jax.Array],
+    log: common.Log,
+    batch: common.Batch,
+    enable_chain_position_assert: jax.Array,
+    real_kv_sources: Sequence[Sequence[realkv.RealKvSource]],
+    *,
+    tags: tuple[int, ...],
+    real_kv_hash_mode: int,
+    verify_capacity: int,
+    window: int = 0,
+    token_offset: int = 0,
+    full_slots: int | None = None,
+    interpret: bool = False,
+    config: Config | None = None,
+) -> tuple[tuple[jax.Array, ...], common.Log, jax.Array]:
+    """Same contract as ``reference.phase``, in three Pallas launches (see the module docstring).
+
+    Args:
+      buffers, log, batch, enable_chain_position_assert, real_kv_sources, tags, real_kv_hash_mode,
+      verify_capacity, window, token_offset, full_slots: as in ``reference.phase``.
+      interpret: run the kernels in Pallas interpret mode (any platform).
+      config: launch shapes; ``heuristic(verify_capacity, T)`` when None.
+
+    Returns:
+      ``(buffers, log, enable)``, byte-identical to ``reference.phase``.
+    """
+    batch = common.with_roles(common.pad_tokens(batch))
+    num_reqs, num_tokens = batch.req_pool_indices.shape[0], batch.input_ids.shape[0]
+    group_slots = buffers[0].shape[0]
+    halves = len(buffers)
+    config = config or heuristic(verify_capacity, num_tokens)
+    sources = tuple(tuple(s) if real_kv_hash_mode != layout.REAL_KV_NONE else () for s in real_kv_sources)
+    st = tc.Static(
+        num_reqs=num_reqs,
+        num_tokens=num_tokens,
+        tags=tuple(tags),
+        specs=tuple(kernel_io.source_specs(s) for s in sources),
+        mode=real_kv_hash_mode,
+        capacity=verify_capacity,
+        window=window,
+        token_offset=token_offset,
+        has_lut=batch.full_to_swa_index_mapping is not None,
+        has_pool=batch.token_pool is not None,
+        has_inputs=batch.expected_input_ids is not None,
+        config=config,
+        full_slots=full_slots or group_slots,
+        group_slots=group_slots,
+        has_context=log.context is not None,
+    )
+    inputs = tc.input_arrays(batch, enable_chain_position_assert, buffers, sources, interpret=interpret)
+    num_blocks = pl.cdiv(verify_capacity, config.verify_block)
+    i32, u32 = jnp.int32, jnp.uint32
+    call = functools.partial(compat.triton_call, num_warps=config.num_warps, num_stages=config.num_stages)
+
+    chain_outs = (
+        jax.ShapeDtypeStruct((halves + 1, num_reqs), i32),  # rows per request and half; written per request
+        jax.ShapeDtypeStruct((halves, num_tokens, 2), u32),  # PREV_HASH to store
+        jax.ShapeDtypeStruct((halves, num_tokens, 2), u32),  # chain-position assert's expected position
+        jax.ShapeDtypeStruct((halves, num_tokens), i32),  # common.FLAG_* | input-assert bits
+    )
+    checked = call(
+        functools.partial(_check_kernel, st=st),
+        out_shape=(jax.ShapeDtypeStruct((halves, num_blocks), i32), *chain_outs),
+        grid=(num_reqs + num_blocks,),
+        name=f"kvcanary_phase_check_block={config.verify_block}",
+        interpret=interpret,
+    )(*inputs)
+
+    ring_rows = log.ring.reshape(log.ring.shape[0], -1)  # u32[capacity, 16]
+    context = () if log.context is None else (log.context,)
+    ring_inputs = (
+        *inputs, *checked, ring_rows, *context, log.write_index, log.kernel_run_counters, log.slot_run_counters
+    )  # fmt: skip
+    first_ring = len(inputs) + len(checked)
+    ring_rows, *context, write_index, kernel_counters, slot_counters, enable = call(
+        functools.partial(_ring_kernel, st=st),
+        out_shape=(
+            jax.ShapeDtypeStruct(ring_rows.shape, u32),
+            *(jax.ShapeDtypeStruct(c.shape, i32) for c in context),
+            jax.ShapeDtypeStruct((1,), i32),
+            jax.ShapeDtypeStruct(log.kernel_run_counters.shape, u32),
+            jax.ShapeDtypeStruct(log.slot_run_counters.shape, u32),
+            jax.ShapeDtypeStruct((1,), i32),
+        ),
+        grid=(num_blocks + num_reqs,),
+        name="kvcanary_phase_ring",
+        interpret=interpret,
+        # the ring (and its context), rows written in place
+        input_output_aliases={first_ring + k: k for k in range(1 + len(context))},
+    )(*ring_inputs)
+
+    _, _, prev_hash, _, flags = checked
+    winner = ()
+    if config.dedupe == "sort":
+        lut = batch.full_to_swa_index_mapping
+        gather_lut, lut_size = (None, None) if lut is None else ((lambda i: lut[i]), lut.shape[0])
+        loc = common.translate(batch.out_cache_loc, gather_lut, lut_size)
+        written = (flags[0] & common.FLAG_WRITTEN) != 0
+        winner = (store.last_writer(loc, written, buffers[0].shape[0]).astype(i32),)
+    store_inputs = (
+        *tc.input_arrays(batch, enable_chain_position_assert, (), sources, interpret=interpret),
+        flags,
+        prev_hash,
+        *winner,
+        write_index,  # unused: it orders the in-place stores after the ring kernel's record reads
+    )
+    rows = [kernel_io.record_rows(b) for b in buffers]
+    first_buffer = len(store_inputs)
+    new_rows = call(
+        functools.partial(_store_kernel, st=st),
+        out_shape=tuple(jax.ShapeDtypeStruct(r.shape, r.dtype) for r in rows),
+        grid=(pl.cdiv(num_tokens, config.store_block),),
+        name=f"kvcanary_phase_store_block={config.store_block}_{config.dedupe}",
+        interpret=interpret,
+        input_output_aliases={first_buffer + h: h for h in range(halves)},  # the canary buffers, in place
+    )(*store_inputs, *rows)
+    new_log = common.Log(
+        ring=ring_rows.reshape(log.ring.shape),
+        write_index=write_index,
+        kernel_run_counters=kernel_counters,
+        slot_run_counters=slot_counters,
+        context=context[0] if context else None,
+    )
+    return tuple(r.reshape(b.shape) for r, b in zip(new_rows, buffers, strict=True)), new_log, enable

@@ -1,0 +1,271 @@
+"""Pure-jnp fused phase: the specification of one HEAD or TAIL phase of a group, the default off-GPU, the oracle.
+
+A phase is SGLang's launch sequence for one group: build the verify and write plans from the batch, then per half
+(K, then V) verify the cached slots and write this step's records. Its effects on the shared state are those of
+the launches run one at a time in the order verify K, write K, verify V, write V: each launch's rows land in the
+fill-once ring in plan-entry order, a verify's rows are read from the buffer as it stood before the phase's writes,
+and every launch bumps its tag's counters. This file states that directly, from the verify, write and store
+references; the Triton kernels of ``pallas_triton`` must give the same bytes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from pallas_kernels import hash64, layout, realkv, records
+from pallas_kernels import prefix as prefix_sums
+from pallas_kernels.phase import common
+from pallas_kernels.verify import reference as verify_reference
+from pallas_kernels.write import reference as write_reference
+from pallas_kernels.write import store
+
+_INT32_MAX = 2**31 - 1
+
+
+class Plan(NamedTuple):
+    """The verify and write plans of one phase (as ``kvcanary_jax.build_plans`` builds them, capacity = R)."""
+
+    slot_indices: jax.Array  # i32[capacity]
+    expected_tokens: jax.Array  # i32[capacity]
+    expected_positions: jax.Array  # i32[capacity]
+    prev_slot_indices: jax.Array  # i32[capacity]
+    active: jax.Array  # i32[] entries to verify: all of them, or 0 when the plan overflowed
+    enable: jax.Array  # i32[1] 0 when the plan overflowed its capacity
+    write_offsets: jax.Array  # i32[R + 1]
+    seed_slot_indices: jax.Array  # i32[R]
+    entry_rows: jax.Array  # i32[capacity] each entry's batch row
+
+
+def _lut(batch: common.Batch):
+    lut = batch.full_to_swa_index_mapping
+    return (None, None) if lut is None else ((lambda i: lut[i]), lut.shape[0])
+
+
+def build_plan(
+    batch: common.Batch, *, capacity: int, window: int, token_offset: int, full_slots: int, group_slots: int
+) -> Plan:
+    """SGLang's plan kernels in jnp (``kvcanary_jax.build_plans`` with ``write_req_capacity = R``), for the rows
+    ``batch.active`` names, with the token spans ``batch.span_lens`` and the bad slots left out
+    (:func:`common.plan_slots`)."""
+    rpi, prefix, rtt = batch.req_pool_indices, batch.prefix_lens, batch.req_to_token
+    num_reqs, max_context = rpi.shape[0], rtt.shape[1]
+    gather_lut, lut_size = _lut(batch)
+    verify_lens = common.verify_len(batch.active, prefix, window)
+    ends = prefix_sums.inclusive_sum(verify_lens)
+    starts, total = ends - verify_lens, ends[-1]
+    overflow = total > capacity
+    num_valid = jnp.where(overflow, capacity, total)
+
+    t = jnp.arange(capacity, dtype=jnp.int32)
+    req = jnp.clip(jnp.searchsorted(starts, t, side="right", method="scan_unrolled") - 1, 0, num_reqs - 1)
+    pos = common.window_start(prefix, window)[req] + t - starts[req]
+    row = rpi[req]
+    raw = rtt[row, jnp.clip(pos, 0, max_context - 1)]
+    raw_prev = jnp.where(pos > 0, rtt[row, jnp.clip(pos - 1, 0, max_context - 1)], -1)
+    slot, prev = common.plan_slots(raw, raw_prev, gather_lut, lut_size, full_slots=full_slots, group_slots=group_slots)
+    expected_token = jnp.full_like(t, -1)
+    if batch.token_pool is not None:
+        pool = batch.token_pool
+        token_pos = pos + token_offset
+        known = (token_pos >= 0) & (token_pos < batch.token_pool_lens[req])
+        expected_token = jnp.where(known, pool[row, jnp.clip(token_pos, 0, pool.shape[1] - 1)], -1)
+    used = (t < num_valid) & ~overflow
+
+    seed = rtt[rpi, jnp.clip(prefix - 1, 0, max_context - 1)]
+    translate = lambda s: common.translate(s, gather_lut, lut_size)  # noqa: E731
+    seed = jnp.where((batch.active != 0) & (prefix > 0) & (batch.span_lens > 0), translate(seed), -1)
+    return Plan(
+        slot_indices=jnp.where(used, slot, 0),
+        expected_tokens=jnp.where(used, expected_token, -1),
+        expected_positions=jnp.where(used, pos, 0),
+        prev_slot_indices=jnp.where(used, prev, 0),
+        active=jnp.where(overflow, 0, total).astype(jnp.int32),
+        enable=jnp.where(overflow, 0, 1).reshape(1).astype(jnp.int32),
+        write_offsets=jnp.concatenate([jnp.zeros((1,), jnp.int32), prefix_sums.inclusive_sum(batch.span_lens)]),
+        seed_slot_indices=seed.astype(jnp.int32),
+        entry_rows=req.astype(jnp.int32),
+    )
+
+
+def first_flagged(flags: jax.Array, capacity: int) -> tuple[jax.Array, jax.Array]:
+    """(count i32[], entries i32[capacity]): how many flags are set, and the first ``capacity`` of them in order."""
+    (entries,) = jnp.nonzero(flags, size=capacity, fill_value=0)
+    return jnp.sum(flags, dtype=jnp.int32), entries.astype(jnp.int32)
+
+
+def place(ring: jax.Array, context, write_index: jax.Array, pending):
+    """Writes each launch's rows at the write index in order where the fill-once ring has room (SPEC §1 Ring).
+
+    ``pending`` holds ``(count, rows u32[capacity, 8, 2], row_context i32[capacity, 3])`` per launch; ``context``
+    (the ring's, or None) gets each placed row's context. The index saturates at 2^31 - 1. Returns
+    ``(ring, context, write_index)``.
+    """
+    capacity = ring.shape[0]
+    row = jnp.arange(capacity, dtype=jnp.int32)
+    start = write_index[0]
+    for count, rows, row_context in pending:
+        k = row - start  # ring row start + k holds the launch's k-th row
+        fresh = (k >= 0) & (k < count)
+        at = jnp.clip(k, 0, capacity - 1)
+        ring = jnp.where(fresh[:, None, None], rows[at], ring)
+        if context is not None:
+            context = jnp.where(fresh[:, None], row_context[at], context)
+        start = start + jnp.minimum(count, _INT32_MAX - start)
+    return ring, context, start.reshape(1).astype(jnp.int32)
+
+
+def after(rows: jax.Array) -> jax.Array:
+    """A traced int32 zero that depends on ``rows`` (u32[capacity, 8, 2], gathered from a canary buffer).
+
+    Added to the slots of the buffer's in-place store, it orders the store after the gathers (materialised behind
+    an optimization barrier), so XLA neither schedules it first nor copies the whole buffer to keep its old bytes. Word [0, 7, 0] is a row's fail bits
+    (< 2^31), or whatever the row gather read for an empty launch, which is also a fail-bits word.
+    """
+    return lax.shift_right_logical(rows[0, 7, 0], jnp.uint32(31)).astype(jnp.int32)
+
+
+def bump(counters: jax.Array, increments: dict[int, jax.Array]) -> jax.Array:
+    """``counters[tag] += amount`` on u64 (lo, hi) counters; amounts are non-negative int32."""
+    tags = jnp.arange(counters.shape[0], dtype=jnp.int32)
+    add = jnp.zeros(counters.shape[:1], jnp.uint32)
+    for tag, amount in increments.items():
+        add = add + jnp.where(tags == tag, jnp.asarray(amount).astype(jnp.uint32), jnp.uint32(0))
+    return hash64.join(hash64.add(hash64.split(counters), (add, jnp.zeros_like(add))))
+
+
+def _verify_rows(buf, batch: common.Batch, plan: Plan, bits, entries, tag: int, check: bool):
+    """(rows, context) of verify flag ``entries``."""
+    slot, prev = plan.slot_indices[entries], plan.prev_slot_indices[entries]
+    token = plan.expected_tokens[entries] if check else jnp.full_like(entries, -1)
+    fields = common.verify_row(
+        tag, slot, prev, records.load(buf, slot), records.slot_hash(buf, prev), token, bits[entries]
+    )
+    batch_row = plan.entry_rows[entries]
+    context = common.row_context(batch.req_pool_indices[batch_row], plan.expected_positions[entries], batch_row)
+    return common.pack_row(fields), context
+
+
+def _write_rows(batch: common.Batch, plan: Plan, loc, chain, input_bits, entries, tag: int):
+    """(rows, context) of flag ``entries`` of ``[T, 2]`` flags (input-assert row, then chain-position row, per
+    token)."""
+    i, is_chain_row = entries // 2, entries % 2 == 1
+    token, position = batch.input_ids[i], batch.positions[i]
+    expected_token, input_aux = token, hash64.from_i32(position)
+    if batch.expected_input_ids is not None:
+        expected_token = jnp.where(is_chain_row, token, batch.expected_input_ids[i])
+        input_aux = hash64.from_i32(batch.expected_input_positions[i])
+    aux = hash64.where(is_chain_row, hash64.split(chain.expected_position[i]), input_aux)
+    bits = jnp.where(is_chain_row, layout.FAIL_WRITE_POSITION, input_bits[i])
+    prev_hash = hash64.split(chain.prev_hash[i])
+    rows = common.pack_row(common.write_row(tag, loc[i], position, token, expected_token, prev_hash, aux, bits))
+    batch_row = common.token_row(plan.write_offsets, i)
+    return rows, common.row_context(batch.req_pool_indices[batch_row], lax.bitcast_convert_type(aux[0], jnp.int32), i)
+
+
+def phase(
+    buffers: Sequence[jax.Array],
+    log: common.Log,
+    batch: common.Batch,
+    enable_chain_position_assert: jax.Array,
+    *,
+    tags: Sequence[int],
+    real_kv_sources: Sequence[Sequence[realkv.RealKvSource]],
+    real_kv_hash_mode: int,
+    verify_capacity: int,
+    window: int = 0,
+    token_offset: int = 0,
+    full_slots: int | None = None,
+) -> tuple[tuple[jax.Array, ...], common.Log, jax.Array]:
+    """One phase of one group: per half, verify the plan's cached slots, then write this step's records.
+
+    Args:
+      buffers: per half (K, then V), u32[num_slots, 4, 2] canary buffers (one or two).
+      log: the ring, write index and counters (:class:`common.Log`).
+      batch: the step's arrays (:class:`common.Batch`); the token check is on when ``batch.token_pool`` is given,
+        the write input assert when ``batch.expected_input_ids`` is.
+      enable_chain_position_assert: i32[1].
+      tags: the launch tag of each half (its verify and its write share it).
+      real_kv_sources: per half, the sources folded into REAL_KV_HASH (empty on HEAD phases).
+      real_kv_hash_mode: NONE, PARTIAL or ALL.
+      verify_capacity: the verify plan's static capacity; a batch with more entries skips its verify.
+      window: > 0 verifies only the last ``window`` cached positions (SWA); 0 verifies all.
+      token_offset: the token at KV position p is token p + offset (token check only).
+      full_slots: the FULL pool's slot count (``req_to_token``'s values); None: the buffers' (a FULL group).
+
+    Returns:
+      ``(buffers, log, enable)``: the new buffers and log, and i32[1] 0 when the verify plan overflowed.
+    """
+    batch = common.with_roles(common.pad_tokens(batch))  # the write chain needs at least one token
+    group_slots = buffers[0].shape[0]
+    plan = build_plan(
+        batch,
+        capacity=verify_capacity,
+        window=window,
+        token_offset=token_offset,
+        full_slots=full_slots or group_slots,
+        group_slots=group_slots,
+    )
+    check = batch.token_pool is not None
+    gather_lut, lut_size = _lut(batch)
+    loc = common.write_slots(batch.out_cache_loc, gather_lut, lut_size, group_slots)
+    num_reqs, capacity = batch.req_pool_indices.shape[0], log.ring.shape[0]
+    pending, new_buffers, written = [], [], None
+    for buf, sources, tag in zip(buffers, real_kv_sources, tags, strict=True):
+        bits = verify_reference.verify_bits(
+            buf,
+            plan.slot_indices,
+            plan.expected_tokens,
+            plan.expected_positions,
+            plan.prev_slot_indices,
+            plan.active,
+            real_kv_sources=sources,
+            real_kv_hash_mode=real_kv_hash_mode,
+            check_expected_token=check,
+        )
+        count, entries = first_flagged(bits != 0, capacity)
+        # Materialised behind a barrier: otherwise XLA fuses the row gathers into the ring update, after the store.
+        verify_rows, verify_context = lax.optimization_barrier(
+            _verify_rows(buf, batch, plan, bits, entries, tag, check)
+        )
+        pending.append((count, verify_rows, verify_context))
+
+        chain = write_reference.write_chain(
+            buf,
+            plan.write_offsets,
+            plan.seed_slot_indices,
+            jnp.full((1,), num_reqs, jnp.int32),
+            batch.input_ids,
+            batch.positions,
+            loc,
+            enable_chain_position_assert,
+        )
+        written = chain.written
+        input_bits = jnp.zeros_like(batch.input_ids)
+        if batch.expected_input_ids is not None:
+            input_bits = jnp.where(written & (batch.input_ids != batch.expected_input_ids), layout.FAIL_WRITE_TOKEN, 0)
+            bad_position = written & (batch.positions != batch.expected_input_positions)
+            input_bits |= jnp.where(bad_position, layout.FAIL_WRITE_POSITION, 0)
+        flags = jnp.stack([input_bits != 0, chain.position_assert_failed], axis=1).reshape(-1)
+        count, entries = first_flagged(flags, capacity)
+        pending.append((count, *_write_rows(batch, plan, loc, chain, input_bits, entries, tag)))
+
+        real_kv = realkv.fold_slots(sources, records.clamp_slots(loc, buf.shape[0]), real_kv_hash_mode)
+        target = loc + after(verify_rows)  # the store waits for the verify rows read from this buffer
+        new_buffers.append(
+            store.store(buf, target, batch.input_ids, batch.positions, chain.prev_hash, real_kv, chain.written)
+        )
+    ring, context, write_index = place(log.ring, log.context, log.write_index, pending)
+    entries = plan.active + jnp.sum(written, dtype=jnp.int32)
+    new_log = common.Log(
+        ring=ring,
+        write_index=write_index,
+        kernel_run_counters=bump(log.kernel_run_counters, {tag: jnp.int32(2) for tag in tags}),
+        slot_run_counters=bump(log.slot_run_counters, {tag: entries for tag in tags}),
+        context=context,
+    )
+    return tuple(new_buffers), new_log, plan.enable

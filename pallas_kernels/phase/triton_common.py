@@ -1,0 +1,302 @@
+"""Ref-side pieces of the fused phase kernels: ref unpacking, the in-kernel plan, the verify of a block, row stores.
+
+All three kernels of ``pallas_triton`` take the batch's arrays, the canary buffers and the KV sources as their
+leading inputs (whole-array refs, see ``compat.triton_call``) and build plan entries from them with the functions
+here, so the check kernel and the ring kernel see identical plan entries without materialising the plan.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental.pallas import triton as plt
+
+from pallas_kernels import compat, hash64, kernel_io, realkv, records
+from pallas_kernels.phase import common
+from pallas_kernels.verify import reference as verify_reference
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """Launch shapes of the phase kernels (every block a power of 2).
+
+    Attributes:
+      verify_block: plan entries per program of the check and ring kernels.
+      store_block: tokens per program of the store kernel.
+      dedupe: duplicate-slot winner rule of the store: ``"pairwise"`` in-kernel, or ``"sort"``.
+      req_chunk: requests compared per step of the in-kernel request lookup.
+      sum_chunk: counts summed per step when a program adds up other programs' counts.
+      token_chunk: tokens per step when the ring kernel ranks a request's write rows.
+      compare_block: later tokens per step of the pairwise winner scan.
+      num_warps, num_stages: Triton launch parameters.
+    """
+
+    verify_block: int
+    store_block: int
+    dedupe: str
+    req_chunk: int = 32
+    sum_chunk: int = 1024
+    token_chunk: int = 64
+    compare_block: int = 64
+    num_warps: int = 4
+    num_stages: int = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class Static:
+    """What the kernels know statically about one phase launch."""
+
+    num_reqs: int
+    num_tokens: int
+    tags: tuple[int, ...]
+    specs: tuple[tuple[realkv.RealKvSource, ...], ...]  # per half, shape-only (kernel_io.source_specs)
+    mode: int
+    capacity: int
+    window: int
+    token_offset: int
+    has_lut: bool
+    has_pool: bool
+    has_inputs: bool
+    config: Config
+    full_slots: int  # the FULL pool's slots: the range of req_to_token's values
+    group_slots: int  # this group's slots (its canary buffers')
+    has_context: bool = False  # the ring carries a context array
+
+    @property
+    def halves(self) -> int:
+        return len(self.tags)
+
+
+class Inputs(NamedTuple):
+    """The leading refs every phase kernel takes (optional ones are None when absent)."""
+
+    rpi: Any  # i32[R]
+    prefix: Any  # i32[R]
+    active: Any  # i32[R] nonzero for the rows that are requests
+    span: Any  # i32[R] token entries each row owns
+    rtt: Any  # i32[max_reqs, max_context_len]
+    ids: Any  # i32[T]
+    positions: Any  # i32[T]
+    loc: Any  # i32[T]
+    cpa: Any  # i32[1] enable_chain_position_assert
+    lut: Any  # i32[full_slots + 1] | None
+    pool: Any  # i32[rows, len] | None
+    pool_lens: Any  # i32[R] | None
+    exp_ids: Any  # i32[T] | None
+    exp_pos: Any  # i32[T] | None
+    bufs: tuple  # per half u32[num_slots, 8]
+    kv: tuple  # per half, the sources' dtype[pages, row_elements] refs
+
+
+def input_arrays(batch: common.Batch, cpa, buffers, sources, *, interpret: bool) -> list[jax.Array]:
+    """The arrays behind :class:`Inputs`, in the order :func:`take` unpacks them; ``buffers`` may be ``()``."""
+    arrays = [
+        batch.req_pool_indices,
+        batch.prefix_lens,
+        batch.active,
+        batch.span_lens,
+        batch.req_to_token,
+        batch.input_ids,
+        batch.positions,
+        batch.out_cache_loc,
+        cpa,
+    ]
+    arrays += [batch.full_to_swa_index_mapping] if batch.full_to_swa_index_mapping is not None else []
+    arrays += [batch.token_pool, batch.token_pool_lens] if batch.token_pool is not None else []
+    if batch.expected_input_ids is not None:
+        arrays += [batch.expected_input_ids, batch.expected_input_positions]
+    arrays += [kernel_io.record_rows(b) for b in buffers]
+    arrays += [kernel_io.kv_rows(s.data, interpret=interpret) for half in sources for s in half]
+    return arrays
+
+
+def take(refs, st: Static, *, with_buffers: bool = True) -> tuple[Inputs, list]:
+    """Splits a kernel's refs into :class:`Inputs` and the rest (its own inputs, then its outputs).
+
+    The store kernel takes no read-only buffers (``with_buffers=False``): it updates them in place, and an aliased
+    buffer that is also read through another operand would make XLA copy it first.
+    """
+    it = iter(refs)
+    fixed = [next(it) for _ in range(9)]
+    lut = next(it) if st.has_lut else None
+    pool, pool_lens = (next(it), next(it)) if st.has_pool else (None, None)
+    exp_ids, exp_pos = (next(it), next(it)) if st.has_inputs else (None, None)
+    bufs = tuple(next(it) for _ in range(st.halves)) if with_buffers else ()
+    kv = tuple(tuple(next(it) for _ in specs) for specs in st.specs)
+    return Inputs(*fixed, lut, pool, pool_lens, exp_ids, exp_pos, bufs, kv), list(it)
+
+
+def arange(n: int) -> jax.Array:
+    return jnp.arange(n, dtype=jnp.int32)
+
+
+def load(ref, idx: jax.Array, mask: jax.Array, other=0) -> jax.Array:
+    """Masked gather from a 1-D ref."""
+    return plt.load(ref.at[idx], mask=mask, other=other)
+
+
+def load_row(ref, h: int, idx: jax.Array, mask: jax.Array, other=0) -> jax.Array:
+    """Masked gather from row ``h`` of a 2-D ref (all-array indices: pallas_notes §2a)."""
+    return plt.load(ref.at[jnp.full(idx.shape, h, jnp.int32), idx], mask=mask, other=other)
+
+
+def loop(n: int, body: Callable, carry):
+    """``fori_loop`` over a static trip count, unrolled when short so independent loads issue together."""
+    if n <= 8:
+        for c in range(n):
+            carry = body(jnp.int32(c), carry)
+        return carry
+    return lax.fori_loop(jnp.int32(0), jnp.int32(n), body, carry)
+
+
+def translate(inp: Inputs, slots: jax.Array) -> jax.Array:
+    """``common.translate`` through the LUT ref, when the group has one."""
+    if inp.lut is None:
+        return slots
+    return common.translate(slots, lambda i: inp.lut[i], inp.lut.shape[0])
+
+
+def row_sum(ref, h: int, upto, st: Static) -> jax.Array:
+    """i32[]: the sum of ``ref[h, :upto]`` (a 2-D count ref), ``sum_chunk`` counts per step."""
+    n = ref.shape[1]
+    chunk = min(st.config.sum_chunk, compat.next_power_of_2(n))
+
+    def body(c, acc):
+        j = c * chunk + arange(chunk)
+        return acc + jnp.sum(load_row(ref, h, j, (j < n) & (j < upto)), dtype=jnp.int32)
+
+    return loop(-(-n // chunk), body, jnp.int32(0))
+
+
+def request_sum(inp: Inputs, per_request: Callable, upto, st: Static) -> jax.Array:
+    """i32[]: the sum of ``per_request(active, prefix, span)`` over rows ``j < upto``."""
+    n = st.num_reqs
+    chunk = min(st.config.sum_chunk, compat.next_power_of_2(n))
+
+    def body(c, acc):
+        j = c * chunk + arange(chunk)
+        m = (j < n) & (j < upto)
+        values = per_request(load(inp.active, j, m), load(inp.prefix, j, m), load(inp.span, j, m))
+        return acc + jnp.sum(jnp.where(m, values, 0), dtype=jnp.int32)
+
+    return loop(-(-n // chunk), body, jnp.int32(0))
+
+
+def verify_total(inp: Inputs, st: Static) -> tuple[jax.Array, jax.Array]:
+    """(total verify entries, active entries): active is 0 when the plan overflows its capacity."""
+    total = request_sum(inp, lambda act, prefix, _: common.verify_len(act, prefix, st.window), st.num_reqs, st)
+    return total, jnp.where(total > st.capacity, 0, total)
+
+
+def write_span(inp: Inputs, r, st: Static) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(start, count, span) of row ``r``'s tokens, clamped to the token arrays as the write op does."""
+    before = request_sum(inp, lambda _, __, span: span, r, st)
+    own = inp.span[r]
+    start = jnp.clip(before, 0, st.num_tokens)
+    end = jnp.clip(before + own, 0, st.num_tokens)
+    return start, jnp.maximum(end - start, 0), own
+
+
+class Entries(NamedTuple):
+    """One block of verify plan entries (i32[block] each), as ``build_plans`` would hold them."""
+
+    t: jax.Array
+    req: jax.Array  # each entry's batch row
+    slot: jax.Array
+    prev: jax.Array
+    position: jax.Array
+    token: jax.Array
+    active: jax.Array  # i32[] entries to verify
+
+
+def locate(inp: Inputs, t: jax.Array, st: Static):
+    """(request, its first entry, total entries) of plan entries ``t``, without a materialised prefix sum.
+
+    Entry t belongs to the request r with ``start_r <= t < end_r``, i.e. r = #requests whose end is <= t (SGLang's
+    searchsorted over starts, for every t < total). Ends are built chunk by chunk (a cumsum of ``req_chunk``
+    lengths plus the running total), compared against the block's entries as a [block, chunk] matrix.
+    """
+    n = st.num_reqs
+    chunk = min(st.config.req_chunk, compat.next_power_of_2(n))
+
+    def body(c, carry):
+        count, start, total = carry
+        j = c * chunk + arange(chunk)
+        m = j < n
+        lens = common.verify_len(load(inp.active, j, m), load(inp.prefix, j, m), st.window)  # 0 where masked
+        ends = total + jnp.cumsum(lens, dtype=jnp.int32)
+        before = (ends[None, :] <= t[:, None]) & m[None, :]
+        count = count + jnp.sum(before.astype(jnp.int32), axis=1, dtype=jnp.int32)
+        start = jnp.maximum(start, jnp.max(jnp.where(before, ends[None, :], 0), axis=1))
+        return count, start, total + jnp.sum(lens, dtype=jnp.int32)
+
+    zeros = jnp.zeros(t.shape, jnp.int32)
+    count, start, total = loop(-(-n // chunk), body, (zeros, zeros, jnp.int32(0)))
+    return jnp.minimum(count, n - 1), start, total
+
+
+def plan_entries(inp: Inputs, t: jax.Array, req: jax.Array, start: jax.Array, active, st: Static) -> Entries:
+    """The plan entries ``t`` of requests ``req`` (from :func:`locate`); entries past ``active`` are zeroed."""
+    prefix, rpi = inp.prefix[req], inp.rpi[req]
+    position = common.window_start(prefix, st.window) + t - start
+    num_rows, max_context = inp.rtt.shape
+    row = common.jnp_index(rpi, num_rows)
+    raw = inp.rtt[row, jnp.clip(position, 0, max_context - 1)]
+    raw_prev = jnp.where(position > 0, inp.rtt[row, jnp.clip(position - 1, 0, max_context - 1)], -1)
+    gather_lut, lut_size = (None, None) if inp.lut is None else ((lambda i: inp.lut[i]), inp.lut.shape[0])
+    slot, prev = common.plan_slots(
+        raw, raw_prev, gather_lut, lut_size, full_slots=st.full_slots, group_slots=st.group_slots
+    )
+    token = jnp.full(t.shape, -1, jnp.int32)
+    if st.has_pool:
+        token_pos = position + st.token_offset
+        known = (token_pos >= 0) & (token_pos < inp.pool_lens[req])
+        pool_row = common.jnp_index(rpi, inp.pool.shape[0])
+        token = jnp.where(known, inp.pool[pool_row, jnp.clip(token_pos, 0, inp.pool.shape[1] - 1)], -1)
+    used = t < active
+    return Entries(
+        t=t,
+        req=req,
+        slot=jnp.where(used, slot, 0),
+        prev=jnp.where(used, prev, 0),
+        position=jnp.where(used, position, 0),
+        token=jnp.where(used, token, -1),
+        active=active,
+    )
+
+
+def check_half(inp: Inputs, h: int, e: Entries, st: Static):
+    """(bits, stored record, H(prev)) of half ``h`` for a block of entries: the verify kernel's check."""
+    buf = inp.bufs[h]
+    num_slots = buf.shape[0]
+    slots = records.clamp_slots(e.slot, num_slots)
+    stored = kernel_io.load_record(buf, slots)
+    chain = records.record_hash(e.prev, kernel_io.load_record(buf, records.clamp_slots(e.prev, num_slots)))
+    check = st.has_pool
+    bits = verify_reference.entry_bits(
+        stored,
+        chain,
+        e.prev != 0,  # prev == 0: padding/evicted predecessor, chain unknowable
+        e.token if check else None,
+        e.position,
+        kernel_io.fold(inp.kv[h], st.specs[h], slots, st.mode),
+        check_expected_token=check,
+    )
+    live = (e.t < e.active) & (e.slot != 0)
+    return jnp.where(live, bits, 0), stored, chain
+
+
+def store_row(ring_ref, target: jax.Array, mask: jax.Array, fields: list[hash64.U64], context_ref=None, context=()):
+    """Stores rows' 16 words into ``u32[capacity, 16]`` at ``target`` where ``mask`` (masked lanes out of range),
+    and, given a ``i32[capacity, 3]`` context ref, the rows' three context values."""
+    for f, (lo, hi) in enumerate(fields):
+        for w, value in enumerate((lo, hi)):
+            plt.store(ring_ref.at[target, jnp.full(target.shape, 2 * f + w, jnp.int32)], value, mask=mask)
+    if context_ref is not None:
+        for c, value in enumerate(context):
+            plt.store(context_ref.at[target, jnp.full(target.shape, c, jnp.int32)], value, mask=mask)

@@ -1,0 +1,247 @@
+"""The fused phase kernels (interpret mode) give exactly the reference's buffers, ring, index and counters."""
+
+import functools
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.phase import api, common, pallas_triton, reference
+from tests.pallas_kernels import kernel_cases as cases
+from tests.pallas_kernels.phase_cases import RING_STARTS, Shape, make_case
+
+BF16_P4 = cases.SourceSpec("bfloat16", 4, 64, 48, row_padding=16)
+I8_P16 = cases.SourceSpec("int8", 16, 16, 16)
+F8_P1 = cases.SourceSpec("float8_e4m3fn", 1, 32, 16)
+VARIANTS = {
+    "head_kv_input_assert": Shape(input_assert=True, ring_capacity=32),
+    "tail_kv_all_token_check": Shape(mode=2, sources=(BF16_P4, I8_P16), token_check=True, ring_capacity=64),
+    "swa_k_partial_everything": Shape(
+        halves=1,
+        swa_slots=32,
+        window=5,
+        mode=1,
+        sources=(F8_P1,),
+        token_check=True,
+        input_assert=True,
+        token_offset=1,
+    ),
+}
+# Small blocks and chunks: many programs, every in-kernel loop runs several (and > 8, i.e. looped) steps.
+TINY_BLOCKS = pallas_triton.Config(
+    verify_block=8, store_block=4, dedupe="pairwise", req_chunk=2, sum_chunk=2, token_chunk=2, compare_block=2
+)
+MANY = Shape(num_reqs=20, max_len=10, num_tokens=30, capacity=80, ring_capacity=64, input_assert=True)
+
+
+@functools.partial(jax.jit, static_argnames=("tags", "shape", "backend", "config"))
+def _phase(buffers, log, batch, cpa, sources, *, tags, shape, backend, config=None):
+    kwargs = dict(
+        tags=tags,
+        real_kv_hash_mode=shape.mode,
+        verify_capacity=shape.capacity,
+        window=shape.window,
+        token_offset=shape.token_offset,
+    )
+    if config is not None:
+        return pallas_triton.phase(buffers, log, batch, cpa, sources, interpret=True, config=config, **kwargs)
+    return api.phase(buffers, log, batch, cpa, real_kv_sources=sources, backend=backend, **kwargs)
+
+
+def _assert_same(case, shape, config=None):
+    *args, tags = case
+    want = _phase(*args, tags=tags, shape=shape, backend="xla")
+    got = _phase(*args, tags=tags, shape=shape, backend="interpret", config=config)
+    chex.assert_trees_all_equal(got, want)
+    return want
+
+
+def _grew(log, out) -> int:
+    return int(out[1].write_index[0]) - int(log.write_index[0])
+
+
+def _landed_tags(log, out) -> set[int]:
+    """Launch tags of the rows a phase placed in the ring."""
+    start, end = (min(int(x.write_index[0]), log.ring.shape[0]) for x in (log, out[1]))
+    return set(np.asarray(out[1].ring[start:end, 0, 0]).tolist())
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_kernels_equal_reference(name):
+    shape, grown, landed = VARIANTS[name], 0, set()
+    for seed, start in enumerate(RING_STARTS):
+        case = make_case(seed, shape, ring_start=start)
+        out = _assert_same(case, shape)
+        grown += _grew(case[1], out)
+    for seed in range(3):  # mostly clean chains: rows of every launch land in the ring
+        case = make_case(10 + seed, shape, ring_start="empty", primed=True)
+        landed |= _landed_tags(case[1], _assert_same(case, shape))
+    assert landed == set(case[-1]), f"rows of tags {set(case[-1]) - landed} never landed"
+    overflowing = make_case(99, shape, overflow=True)  # more entries than verify_capacity: verify skipped
+    out = _assert_same(overflowing, shape)
+    assert int(out[2][0]) == (1 if shape.window else 0)  # a window keeps the SWA plan within capacity
+    assert grown > 0, "random records must make the launches append rows"
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_kernels_equal_reference_with_explicit_roles_and_context(name):
+    """The runner's form: rows that are not requests own skipped tokens, slots past the pools are skipped (not
+    clamped), and every placed row writes its context (request row, expected position, batch entry)."""
+    shape = VARIANTS[name]
+    for seed, start in enumerate(("empty", "mid")):
+        case = make_case(20 + seed, shape, ring_start=start, roles=True)
+        out = _assert_same(case, shape)
+        log, new = case[1], out[1]
+        placed = slice(int(log.write_index[0]), min(int(new.write_index[0]), log.ring.shape[0]))
+        context = np.asarray(new.context)[placed]
+        assert len(context) and (context[:, 0] >= 0).all(), "placed rows name their request row"
+        batch = case[2]
+        assert set(context[:, 0]) <= set(np.asarray(batch.req_pool_indices)[np.asarray(batch.active) != 0])
+
+
+@pytest.mark.parametrize("config", [TINY_BLOCKS, None], ids=["tiny_blocks", "sort"])
+def test_many_programs_and_both_winner_rules(config):
+    config = config or pallas_triton.Config(verify_block=16, store_block=8, dedupe="sort")
+    for seed, start in zip(range(3), ("empty", "mid", "almost_full"), strict=True):
+        _assert_same(make_case(seed, MANY, ring_start=start), MANY, config)
+        _assert_same(make_case(seed, MANY, ring_start=start, primed=True), MANY, config)
+
+
+def test_no_tokens_and_one_request():
+    shape = Shape(num_reqs=1, num_tokens=0, input_assert=True)
+    for seed in range(2):
+        _assert_same(make_case(seed, shape), shape)
+
+
+def test_x64_gives_the_same_bytes():
+    shape = VARIANTS["swa_k_partial_everything"]
+    case = make_case(7, shape, ring_start="almost_full")
+    want = _assert_same(case, shape)
+    with jax.enable_x64(True):
+        chex.assert_trees_all_equal(_assert_same(case, shape), want)
+
+
+def test_a_clean_prefill_then_decode_is_silent():
+    """Records written by the fused phase verify clean on the next step (real KV ALL, K and V)."""
+    shape = Shape(num_reqs=3, max_len=8, num_tokens=12, capacity=24, mode=2, sources=(BF16_P4,))
+    buffers, log, _, _, sources, tags = make_case(0, shape, ring_start="empty", clean_seeds=True)
+    req_to_token = jnp.asarray(np.arange(1, 25, dtype=np.int32).reshape(3, 8))
+    req_to_token = jnp.concatenate([jnp.zeros((1, 8), jnp.int32), req_to_token])
+    rows = jnp.arange(1, 4, dtype=jnp.int32)
+    cpa = jnp.ones((1,), jnp.int32)
+    prefill = common.Batch(
+        rows,
+        jnp.zeros(3, jnp.int32),
+        jnp.full(3, 4, jnp.int32),
+        req_to_token,
+        jnp.arange(12, dtype=jnp.int32) * 7,
+        jnp.tile(jnp.arange(4, dtype=jnp.int32), 3),
+        req_to_token[1:, :4].reshape(-1),
+    )
+    decode = common.Batch(
+        rows,
+        jnp.full(3, 4, jnp.int32),
+        jnp.ones(3, jnp.int32),
+        req_to_token,
+        jnp.zeros(12, jnp.int32),
+        jnp.full(12, 4, jnp.int32),
+        jnp.concatenate([req_to_token[1:, 4], jnp.full(9, -1, jnp.int32)]),
+    )
+    for backend in ("xla", "interpret"):
+        state = (buffers, log)
+        for batch in (prefill, decode):
+            bufs, out, enable = _phase(*state, batch, cpa, sources, tags=tags, shape=shape, backend=backend)
+            state = (bufs, out)
+            assert int(enable[0]) == 1
+        assert int(state[1].write_index[0]) == 0, backend
+
+
+def test_api_checks_teach():
+    shape = VARIANTS["head_kv_input_assert"]
+    buffers, log, batch, cpa, sources, tags = make_case(0, shape)
+    call = functools.partial(
+        api.phase, log=log, batch=batch, enable_chain_position_assert=cpa, verify_capacity=8, backend="xla"
+    )
+    with pytest.raises(ValueError, match="one distinct launch tag per buffer"):
+        call(buffers, tags=(2,))
+    with pytest.raises(ValueError, match="same num_slots"):
+        call((buffers[0], buffers[1][:5]), tags=tags)
+    with pytest.raises(ValueError, match="window=3 needs batch.full_to_swa_index_mapping"):
+        call(buffers, tags=tags, window=3)
+    with pytest.raises(TypeError, match="batch.input_ids must have dtype int32"):
+        api.phase(
+            buffers,
+            log,
+            batch._replace(input_ids=batch.input_ids.astype(jnp.uint32)),
+            cpa,
+            tags=tags,
+            verify_capacity=8,
+        )
+    with pytest.raises(NotImplementedError, match="runs Mosaic kernels, and this op has none"):
+        call(buffers, tags=tags, backend="interpret_tpu")
+    if jax.default_backend() != "gpu":
+        with pytest.raises(NotImplementedError, match=r"backend='pallas'.*lowered for 'cpu'"):
+            jax.jit(functools.partial(call, tags=tags, backend="pallas"))(buffers)
+
+
+def test_reference_plan_is_build_plans():
+    """The phase's plan formulas are kvcanary_jax.build_plans' (one copy lives in each layer)."""
+    import kvcanary_jax as kc
+
+    shape = VARIANTS["swa_k_partial_everything"]
+    for seed in range(3):
+        _, _, b, *_ = make_case(seed, shape, overflow=seed == 2, out_of_range=False)
+        b = common.with_roles(b)  # SGLang's roles: rows with a table row are requests
+        plan = reference.build_plan(
+            b,
+            capacity=shape.capacity,
+            window=shape.window,
+            token_offset=1,
+            full_slots=shape.num_slots,
+            group_slots=shape.swa_slots or shape.num_slots,
+        )
+        vplan, wplan = kc.build_plans(
+            b.req_pool_indices,
+            b.prefix_lens,
+            b.extend_lens,
+            b.req_to_token,
+            verify_capacity=shape.capacity,
+            write_req_capacity=b.req_pool_indices.shape[0],
+            swa_window_size=shape.window,
+            full_to_swa_index_mapping=b.full_to_swa_index_mapping,
+            req_to_verify_expected_tokens=b.token_pool,
+            expected_tokens_valid_lens=b.token_pool_lens,
+            kv_token_id_vs_position_offset=1,
+        )
+        chex.assert_trees_all_equal(
+            (plan.slot_indices, plan.expected_tokens, plan.expected_positions, plan.prev_slot_indices, plan.enable),
+            (
+                vplan.slot_indices,
+                vplan.expected_tokens,
+                vplan.expected_positions,
+                vplan.prev_slot_indices,
+                vplan.enable,
+            ),
+        )
+        chex.assert_trees_all_equal(
+            (plan.write_offsets, plan.seed_slot_indices), (wplan.write_offsets, wplan.seed_slot_indices)
+        )
+
+
+def test_real_kv_fold_traces_its_loop_once_per_shape():
+    """``realkv.fold_slots``' jnp loop is traced once per shape, not once per caller trace (issue 16)."""
+    from jax._src.lax.control_flow import loops  # private: skip where jax moved it
+
+    from pallas_kernels import realkv
+
+    body_cache = getattr(loops, "_fori_scan_body_fun", None)
+    if not hasattr(body_cache, "cache_info"):
+        pytest.skip("this jax has no _fori_scan_body_fun cache to inspect")
+    sources = (realkv.RealKvSource(jnp.zeros((8, 4, 32), jnp.bfloat16), page_size=4),)  # ALL: 4 chunks, a loop
+    slots = jnp.arange(16, dtype=jnp.int32)
+    before = body_cache.cache_info().misses
+    for i in range(5):  # five fresh caller traces
+        jax.jit(lambda s, x, i=i: realkv.fold_slots(s, x + i, 2)).lower(sources, slots)
+    assert body_cache.cache_info().misses - before <= 1
