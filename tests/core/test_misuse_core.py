@@ -1,0 +1,199 @@
+"""Misuse of the core tier, as a new user commits it: every argument of every entry point gets a wrong type, shape,
+dtype or value, and must fail with a message naming the argument and the value received. Numpy integers and arrays
+are accepted wherever Python ints and jax arrays are. ``test_core_errors`` covers the first-order cases; this suite
+covers the rest, and shows the correct call next to each misuse doing its job.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import kvcanary_jax as kc
+from kvcanary_jax.testing import expect_violation
+from tests.core.canary_testlib import (
+    NUM_SLOTS,
+    TAG_HEAD,
+    TAG_TAIL,
+    VCAP,
+    WCAP,
+    new_buf,
+    new_state,
+    verify_plan,
+    write_batch,
+)
+
+# ------------------------------------------------------------------------------------------------------ CanaryConfig
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "pattern"),
+    [
+        (dict(mode=None), ValueError, r"mode must be one of .*; got mode=None"),
+        (dict(mode=["raise"]), ValueError, r"got mode=\['raise'\]"),
+        (dict(ring_capacity="8"), ValueError, r"ring_capacity must be an int >= 1; got ring_capacity='8'"),
+        (dict(ring_capacity=8.0), ValueError, r"ring_capacity=8.0"),
+        (dict(real_kv_hash_mode=None), ValueError, r"real_kv_hash_mode must be one of .*real_kv_hash_mode=None"),
+        (dict(real_kv_hash_mode=1.0), ValueError, r"real_kv_hash_mode=1.0"),
+        (dict(real_kv_hash_mode=True), ValueError, r"real_kv_hash_mode=True"),
+        (dict(real_kv_hash_mode="everything"), ValueError, r"real_kv_hash_mode='everything'"),
+        (dict(real_kv_hash_mode=-1), ValueError, r"real_kv_hash_mode=-1"),
+        (dict(sweep_interval=-1), ValueError, r"sweep_interval must be an int >= 0; got sweep_interval=-1"),
+        (dict(sweep_interval=True), ValueError, r"sweep_interval=True"),
+        (dict(enable_write_input_assert="yes"), TypeError, r"enable_write_input_assert must be a bool; got .*='yes'"),
+        (dict(enable_verify_token_assert=0), TypeError, r"enable_verify_token_assert must be a bool; got .*=0"),
+        (dict(stats_every_n_steps=1.5), ValueError, r"stats_every_n_steps must be an int >= 0; got .*=1.5"),
+        (dict(health_check_every_n_steps=-2), ValueError, r"health_check_every_n_steps=-2"),
+        (dict(check_lag_steps=None), ValueError, r"check_lag_steps=None"),
+        (dict(backend=None), ValueError, r"backend must be one of .*; got backend=None"),
+        (dict(backend="XLA"), ValueError, r"got backend='XLA'"),
+    ],
+)
+def test_canary_config_names_every_bad_argument(kwargs, error, pattern):
+    with pytest.raises(error, match=pattern):
+        kc.CanaryConfig(**kwargs)
+
+
+# ------------------------------------------------------------------------------------------ state and buffer allocation
+
+
+def test_state_allocation_needs_a_config():
+    with pytest.raises(TypeError, match=r"config must be a CanaryConfig; got KvCanary"):
+        kc.CanaryDeviceState.allocate(config=kc.KvCanary(kc.CanaryConfig(), kc.CanaryPool(num_slots=8)))
+    with pytest.raises(TypeError, match=r"config must be a CanaryConfig; got str"):
+        kc.CanaryDeviceState.allocate(config="raise")
+
+
+# ---------------------------------------------------------------------------------------------------- host readers
+
+
+def test_records_as_int64_reads_numpy_and_jax_buffers_alike():
+    buf = jnp.asarray(np.arange(4 * 4 * 2, dtype=np.uint32).reshape(4, 4, 2))
+    np.testing.assert_array_equal(kc.records_as_int64(np.asarray(buf)), kc.records_as_int64(buf))
+    assert kc.records_as_int64(buf)[1, 0] == 8 + (9 << 32)
+    per_device = kc.records_as_int64(np.stack([np.asarray(buf)] * 2))  # leading mesh axes stay
+    assert per_device.shape == (2, 4, 4) and (per_device[1] == kc.records_as_int64(buf)).all()
+
+
+def test_read_violations_reads_a_numpy_log():
+    state = new_state()
+    state = kc.canary_verify(state, new_buf(), verify_plan([1], [5], [-1]), tag=TAG_TAIL, backend="xla")
+    host_log = jax.tree.map(np.asarray, state.violation_log)
+    assert kc.read_violations(host_log).violations == kc.read_violations(state.violation_log).violations
+    expect_violation(host_log, tag="TAIL_K_FULL", reason=kc.FailReason.VERIFY_POSITION_MISMATCH, slot=1)
+
+
+# ------------------------------------------------------------------------------------------------------- build_plans
+
+
+def _plans(rpi=(1, 2), prefix=(1, 0), extend=(1, 1), table=None, **kwargs):
+    table = np.arange(8 * 4, dtype=np.int32).reshape(8, 4) if table is None else table
+    options = dict(verify_capacity=VCAP, write_req_capacity=WCAP)
+    options.update(kwargs)
+    return kc.build_plans(*(np.asarray(x, np.int32) for x in (rpi, prefix, extend)), jnp.asarray(table), **options)
+
+
+def test_build_plans_refuses_int64_host_arrays_by_name():
+    with pytest.raises(TypeError, match=r"prefix_lens must have dtype int32; got prefix_lens.dtype=int64"):
+        kc.build_plans(
+            np.array([1], np.int32), np.array([1]), np.array([1], np.int32), jnp.zeros((2, 4), jnp.int32),
+            verify_capacity=VCAP, write_req_capacity=WCAP,
+        )  # fmt: skip
+
+
+def test_build_plans_takes_numpy_arrays_and_integers():
+    table = np.arange(8 * 4, dtype=np.int32).reshape(8, 4)
+    want = _plans()
+    got = kc.build_plans(
+        np.array([1, 2], np.int32), np.array([1, 0], np.int32), np.array([1, 1], np.int32), table,
+        verify_capacity=np.int64(VCAP), write_req_capacity=np.int32(WCAP), swa_window_size=np.int8(0),
+        kv_token_id_vs_position_offset=np.int64(0),
+    )  # fmt: skip
+    jax.tree.map(np.testing.assert_array_equal, got, want)
+    assert int(got[0].slot_indices[0]) == 4 and int(got[1].seed_slot_indices[0]) == 4  # row 1, position 0
+
+
+# ------------------------------------------------------------------------------------- canary_verify / canary_write
+
+
+def _verify(**kwargs):
+    args = dict(state=new_state(), canary_buf=new_buf(), plan=verify_plan([1], [0], [-1]))
+    args.update((k, kwargs.pop(k)) for k in list(kwargs) if k in args)
+    kwargs = dict(dict(tag=TAG_TAIL, backend="xla"), **kwargs)
+    return kc.canary_verify(args["state"], args["canary_buf"], args["plan"], **kwargs)
+
+
+def _write(**kwargs):
+    plan, ids, pos, loc = write_batch([(-1, [(1, 5, 0), (2, 6, 1)])])
+    args = dict(state=new_state(), canary_buf=new_buf(), plan=plan, input_ids=ids, positions=pos, out_cache_loc=loc)
+    args.update((k, kwargs.pop(k)) for k in list(kwargs) if k in args)
+    kwargs = dict(dict(tag=TAG_HEAD, backend="xla"), **kwargs)
+    return kc.canary_write(*args.values(), **kwargs)
+
+
+_SOURCE = kc.RealKvSource(jnp.zeros((NUM_SLOTS, 16), jnp.uint8))
+
+
+@pytest.mark.parametrize("op", [_verify, _write], ids=["verify", "write"])
+@pytest.mark.parametrize(
+    ("kwargs", "error", "pattern"),
+    [
+        (dict(state=None), TypeError, r"state must be a CanaryDeviceState; got NoneType"),
+        (dict(state=kc.KvCanary(kc.CanaryConfig(), kc.CanaryPool(num_slots=8)).init_state()), TypeError,
+         r"state must be a CanaryDeviceState; got CanaryState"),
+        (dict(canary_buf=[[0]]), TypeError, r"canary_buf must be an array; got list"),
+        (dict(canary_buf=np.zeros((NUM_SLOTS, 2, 4), np.uint32)), ValueError,  # the (lo, hi) axis not last
+         r"canary_buf must have shape \(\*, 4, 2\); got canary_buf.shape=\(64, 2, 4\)"),
+        (dict(canary_buf=np.zeros((0, 4, 2), np.uint32)), ValueError, r"canary_buf needs at least one slot"),
+        (dict(plan=None), TypeError, r"plan must be a (Verify|Write)Plan; got NoneType"),
+        (dict(tag=kc.CanaryLaunchTag.HEAD_K_FULL.name.lower()), TypeError, r"tag must be a static Python int"),
+        (dict(tag=np.int64(12)), ValueError, r"tag must be in \[0, 12\); got tag=12"),
+        (dict(real_kv_sources=None, real_kv_hash_mode="partial"), TypeError,
+         r"real_kv_sources must be a tuple of RealKvSource; got NoneType"),
+        (dict(real_kv_sources=_SOURCE, real_kv_hash_mode="all"), TypeError,
+         r"real_kv_sources must be a tuple of RealKvSource; got RealKvSource"),
+        (dict(real_kv_sources={"k": _SOURCE}, real_kv_hash_mode="all"), TypeError, r"got dict"),
+        (dict(real_kv_sources=(_SOURCE.data,), real_kv_hash_mode="all"), TypeError,
+         r"real_kv_sources\[0\] must be a RealKvSource; got ArrayImpl"),
+        (dict(real_kv_hash_mode="partial"), ValueError, r"real_kv_hash_mode=PARTIAL .* real_kv_sources is empty"),
+        (dict(real_kv_hash_mode=3), ValueError, r"real_kv_hash_mode must be one of .*got real_kv_hash_mode=3"),
+        (dict(backend=None), ValueError, r"backend must be one of .*got backend=None"),
+    ],
+)  # fmt: skip
+def test_ops_name_every_bad_argument(op, kwargs, error, pattern):
+    with pytest.raises(error, match=pattern):
+        op(**kwargs)
+
+
+def test_write_names_its_token_arrays():
+    with pytest.raises(TypeError, match=r"out_cache_loc must have dtype int32; got out_cache_loc.dtype=uint32"):
+        _write(out_cache_loc=jnp.zeros((24,), jnp.uint32))
+    with pytest.raises(ValueError, match=r"out_cache_loc must have 1 dimension\(s\); got out_cache_loc.shape=\(\)"):
+        _write(out_cache_loc=jnp.int32(3))
+    with pytest.raises(TypeError, match=r"input_ids must be an array; got list"):
+        _write(input_ids=[5, 6])
+
+
+def test_a_source_that_covers_too_few_slots_is_named():
+    short = kc.RealKvSource(jnp.zeros((NUM_SLOTS // 4, 4, 16), jnp.uint8), page_size=2)
+    with pytest.raises(ValueError, match=rf"real_kv_sources\[1\] holds 32 token slots .* num_slots={NUM_SLOTS}"):
+        _verify(real_kv_sources=(_SOURCE, short), real_kv_hash_mode="partial")
+
+
+# ------------------------------------------------------------------------------------------------------- RealKvSource
+
+
+def test_real_kv_source_takes_numpy_data_and_integers():
+    src = kc.RealKvSource(np.zeros((8, 4, 16), np.uint8), page_size=np.int64(4), read_bytes=np.int32(16))
+    assert isinstance(src.data, jax.Array) and (src.page_size, src.num_bytes_per_token, src.read_bytes) == (4, 16, 16)
+    assert type(src.page_size) is int and src.num_token_slots == 32
+    fp8 = kc.RealKvSource(jnp.zeros((8, 4, 16), jnp.float8_e4m3fn), page_size=4)
+    assert fp8.num_bytes_per_token == 16
+
+    @functools.partial(jax.jit, static_argnames="page_size")
+    def slots(data, page_size):  # a traced array is a valid source inside a step
+        return jnp.int32(kc.RealKvSource(data, page_size=page_size).num_token_slots)
+
+    assert int(slots(jnp.zeros((8, 4, 16), jnp.uint8), page_size=4)) == 32
