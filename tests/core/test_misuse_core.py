@@ -56,7 +56,50 @@ def test_canary_config_names_every_bad_argument(kwargs, error, pattern):
         kc.CanaryConfig(**kwargs)
 
 
+def test_canary_config_takes_numpy_integers_as_python_ints():
+    np_config = kc.CanaryConfig(
+        ring_capacity=np.int64(8),
+        real_kv_hash_mode=np.int32(1),
+        sweep_interval=np.int32(2),
+        stats_every_n_steps=np.uint8(0),
+        health_check_every_n_steps=np.int64(5),
+        check_lag_steps=np.int16(1),
+    )
+    config = kc.CanaryConfig(
+        ring_capacity=8,
+        real_kv_hash_mode="partial",
+        sweep_interval=2,
+        stats_every_n_steps=0,
+        health_check_every_n_steps=5,
+        check_lag_steps=1,
+    )
+    assert np_config == config and hash(np_config) == hash(config)  # one jit cache entry for both spellings
+    assert type(np_config.ring_capacity) is int and np_config.real_kv_hash_mode is kc.RealKvHashMode.PARTIAL
+    assert kc.CanaryDeviceState.allocate(config=np_config).violation_log.ring_capacity == 8
+
+
 # ------------------------------------------------------------------------------------------ state and buffer allocation
+
+
+@pytest.mark.parametrize("value", [np.int64(4), np.int32(4), np.uint16(4)])
+def test_allocation_takes_numpy_integers(value):
+    assert kc.ViolationLog.allocate(ring_capacity=value).ring_capacity == 4
+    assert kc.allocate_canary_buffer(value).shape == (4, 4, 2)
+    assert kc.CanaryDeviceState.allocate(config=kc.CanaryConfig(), num_tags=value).num_tags == 4
+    config = kc.CanaryConfig(enable_verify_token_assert=True)
+    state = kc.CanaryDeviceState.allocate(config=config, req_to_token_alloc_size=value, max_context_len=value)
+    assert state.req_to_verify_expected_tokens.shape == (4, 4)
+
+
+@pytest.mark.parametrize("value", [True, 0, -3, 2.0, "4", None])
+def test_allocation_refuses_non_positive_or_non_integer_sizes(value):
+    with pytest.raises(ValueError, match=rf"num_slots must be a positive int; got num_slots={value!r}"):
+        kc.allocate_canary_buffer(value)
+    with pytest.raises(ValueError, match=rf"num_tags must be a positive int; got num_tags={value!r}"):
+        kc.CanaryDeviceState.allocate(config=kc.CanaryConfig(), num_tags=value)
+    config = kc.CanaryConfig(enable_verify_token_assert=True)
+    with pytest.raises(ValueError, match=rf"positive max_context_len .*got max_context_len={value!r}"):
+        kc.CanaryDeviceState.allocate(config=config, req_to_token_alloc_size=4, max_context_len=value)
 
 
 def test_state_allocation_needs_a_config():
@@ -180,6 +223,34 @@ def test_a_source_that_covers_too_few_slots_is_named():
     short = kc.RealKvSource(jnp.zeros((NUM_SLOTS // 4, 4, 16), jnp.uint8), page_size=2)
     with pytest.raises(ValueError, match=rf"real_kv_sources\[1\] holds 32 token slots .* num_slots={NUM_SLOTS}"):
         _verify(real_kv_sources=(_SOURCE, short), real_kv_hash_mode="partial")
+
+
+def test_ops_take_numpy_buffers_plans_and_integers():
+    """The host-side spellings give the same state and buffer as the jax ones."""
+    plan = verify_plan([1], [3], [-1])
+    want = _verify(plan=plan)
+    got = _verify(
+        plan=jax.tree.map(np.asarray, plan), canary_buf=np.zeros((NUM_SLOTS, 4, 2), np.uint32),
+        tag=np.int64(int(TAG_TAIL)), real_kv_hash_mode=np.int32(0),
+    )  # fmt: skip
+    jax.tree.map(np.testing.assert_array_equal, got, want)
+    assert expect_violation(got, tag="TAIL_K_FULL", reason=kc.FailReason.VERIFY_POSITION_MISMATCH, slot=1)
+
+    plan, ids, pos, loc = write_batch([(-1, [(1, 5, 0), (2, 6, 1)])])
+    want_buf, want_state = _write()
+    host = lambda x: np.asarray(x)  # noqa: E731
+    got_buf, got_state = _write(
+        plan=jax.tree.map(host, plan), input_ids=host(ids), positions=host(pos), out_cache_loc=host(loc),
+        canary_buf=host(new_buf()), tag=np.int32(int(TAG_HEAD)),
+    )  # fmt: skip
+    jax.tree.map(np.testing.assert_array_equal, (got_buf, got_state), (want_buf, want_state))
+    assert kc.records_as_int64(got_buf)[1:3, :2].tolist() == [[5, 0], [6, 1]]
+
+
+def test_real_kv_hash_mode_takes_numpy_integers():
+    got = _verify(real_kv_sources=(_SOURCE,), real_kv_hash_mode=np.int64(1))
+    want = _verify(real_kv_sources=(_SOURCE,), real_kv_hash_mode="partial")
+    jax.tree.map(np.testing.assert_array_equal, got, want)
 
 
 # ------------------------------------------------------------------------------------------------------- RealKvSource
