@@ -4,6 +4,7 @@ are accepted wherever Python ints and jax arrays are. ``test_core_errors`` cover
 covers the rest, and shows the correct call next to each misuse doing its job.
 """
 
+import dataclasses
 import functools
 
 import jax
@@ -112,6 +113,24 @@ def test_state_allocation_needs_a_config():
 # ---------------------------------------------------------------------------------------------------- host readers
 
 
+@pytest.mark.parametrize(
+    ("buf", "error", "pattern"),
+    [
+        (np.zeros((8, 8), np.uint32), ValueError,
+         r"canary_buf must have shape \(\.\.\., num_slots, 4, 2\): \(lo, hi\) pairs; got canary_buf.shape=\(8, 8\)"),
+        (np.zeros((8,), np.uint32), ValueError, r"canary_buf.shape=\(8,\)"),
+        (np.zeros((8, 2, 4), np.uint32), ValueError, r"canary_buf.shape=\(8, 2, 4\)"),  # the (lo, hi) axis not last
+        (np.zeros((8, 4, 2), np.int32), TypeError, r"canary_buf must have dtype uint32; got canary_buf.dtype=int32"),
+        (np.zeros((8, 4, 2), np.float32), TypeError, r"canary_buf.dtype=float32"),
+        (np.zeros((8, 4), np.int64), TypeError, r"canary_buf.dtype=int64"),  # already the int64 view
+        ([[1, 2]], TypeError, r"canary_buf must be an array; got list"),
+    ],
+)  # fmt: skip
+def test_records_as_int64_refuses_what_is_not_a_canary_buffer(buf, error, pattern):
+    with pytest.raises(error, match=pattern):
+        kc.records_as_int64(buf)
+
+
 def test_records_as_int64_reads_numpy_and_jax_buffers_alike():
     buf = jnp.asarray(np.arange(4 * 4 * 2, dtype=np.uint32).reshape(4, 4, 2))
     np.testing.assert_array_equal(kc.records_as_int64(np.asarray(buf)), kc.records_as_int64(buf))
@@ -120,12 +139,45 @@ def test_records_as_int64_reads_numpy_and_jax_buffers_alike():
     assert per_device.shape == (2, 4, 4) and (per_device[1] == kc.records_as_int64(buf)).all()
 
 
+def _log(**fields):
+    log = kc.ViolationLog.allocate(ring_capacity=4)
+    return dataclasses.replace(log, **fields)
+
+
+@pytest.mark.parametrize(
+    ("log", "error", "pattern"),
+    [
+        (_log(violation_ring=jnp.zeros((1,), jnp.int32), violation_write_index=jnp.zeros((4, 8, 2), jnp.uint32)),
+         TypeError, r"violation_ring must have dtype uint32; got violation_ring.dtype=int32"),
+        (_log(violation_ring=jnp.zeros((4, 8, 2), jnp.int32)), TypeError, r"violation_ring.dtype=int32"),
+        (_log(violation_ring=jnp.zeros((4, 16), jnp.uint32)), ValueError,
+         r"violation_ring must have shape \(\*, 8, 2\); got violation_ring.shape=\(4, 16\)"),
+        (_log(violation_write_index=jnp.int32(0)), ValueError,
+         r"violation_write_index must have shape \(1,\); got violation_write_index.shape=\(\)"),
+        (_log(violation_write_index=jnp.zeros((1,), jnp.float32)), TypeError, r"violation_write_index.dtype=float32"),
+        (_log(violation_context=jnp.zeros((4, 2), jnp.int32)), ValueError,
+         r"violation_context must have shape \(4, 3\); got violation_context.shape=\(4, 2\)"),
+    ],
+)  # fmt: skip
+def test_read_violations_refuses_a_malformed_log(log, error, pattern):
+    with pytest.raises(error, match=pattern):
+        kc.read_violations(log)
+
+
 def test_read_violations_reads_a_numpy_log():
     state = new_state()
     state = kc.canary_verify(state, new_buf(), verify_plan([1], [5], [-1]), tag=TAG_TAIL, backend="xla")
     host_log = jax.tree.map(np.asarray, state.violation_log)
     assert kc.read_violations(host_log).violations == kc.read_violations(state.violation_log).violations
     expect_violation(host_log, tag="TAIL_K_FULL", reason=kc.FailReason.VERIFY_POSITION_MISMATCH, slot=1)
+
+
+def test_format_violation_needs_a_violation():
+    report = kc.read_violations(kc.ViolationLog.allocate(ring_capacity=2))
+    with pytest.raises(TypeError, match=r"violation must be a Violation \(from read_violations\); got NoneType"):
+        kc.format_violation(report.first_violation, total=0, overflowed=False)
+    with pytest.raises(TypeError, match=r"got ViolationReport"):
+        kc.format_violation(report, total=0, overflowed=False)
 
 
 # ------------------------------------------------------------------------------------------------------- build_plans
