@@ -20,6 +20,7 @@ from tests.core.canary_testlib import (
     TAG_TAIL,
     VCAP,
     WCAP,
+    i32,
     new_buf,
     new_state,
     verify_plan,
@@ -188,6 +189,31 @@ def _plans(rpi=(1, 2), prefix=(1, 0), extend=(1, 1), table=None, **kwargs):
     options = dict(verify_capacity=VCAP, write_req_capacity=WCAP)
     options.update(kwargs)
     return kc.build_plans(*(np.asarray(x, np.int32) for x in (rpi, prefix, extend)), jnp.asarray(table), **options)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "pattern"),
+    [
+        (dict(table=np.zeros((8, 0), np.int32)), ValueError,
+         r"req_to_token needs at least one row and one column; got req_to_token.shape=\(8, 0\)"),
+        (dict(table=np.zeros((0, 4), np.int32)), ValueError, r"req_to_token.shape=\(0, 4\)"),
+        (dict(swa_window_size=2, full_to_swa_index_mapping=jnp.zeros((0,), jnp.int32)), ValueError,
+         r"full_to_swa_index_mapping needs at least one entry; got full_to_swa_index_mapping.shape=\(0,\)"),
+        (dict(req_to_verify_expected_tokens=jnp.zeros((8, 0), jnp.int32), expected_tokens_valid_lens=i32([1, 1])),
+         ValueError, r"req_to_verify_expected_tokens needs at least one row and one column; got .*shape=\(8, 0\)"),
+        (dict(verify_capacity=16.0), ValueError, r"verify_capacity must be a positive static int; got .*=16.0"),
+        (dict(write_req_capacity=True), ValueError, r"write_req_capacity=True"),
+        (dict(swa_window_size=2.0), TypeError, r"swa_window_size must be a static Python int; got .*=2.0"),
+        (dict(kv_token_id_vs_position_offset="1"), TypeError, r"kv_token_id_vs_position_offset='1'"),
+        (dict(full_to_swa_index_mapping=[0, 1, 2], swa_window_size=2), TypeError,
+         r"full_to_swa_index_mapping must be an array; got list"),
+        (dict(rpi=[[1, 2]]), ValueError, r"req_pool_indices must have 1 dimension\(s\); got .*shape=\(1, 2\)"),
+        (dict(table=np.zeros((8, 4), np.uint32)), TypeError, r"req_to_token must have dtype int32; got .*uint32"),
+    ],
+)  # fmt: skip
+def test_build_plans_names_every_bad_argument(kwargs, error, pattern):
+    with pytest.raises(error, match=pattern):
+        _plans(**kwargs)
 
 
 def test_build_plans_refuses_int64_host_arrays_by_name():
