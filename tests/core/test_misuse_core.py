@@ -334,6 +334,30 @@ def test_real_kv_hash_mode_takes_numpy_integers():
 # ------------------------------------------------------------------------------------------------------- RealKvSource
 
 
+@pytest.mark.parametrize(
+    ("args", "kwargs", "error", "pattern"),
+    [
+        ((jnp.zeros((8, 4, 16), jnp.uint8),), dict(page_size=None), TypeError,
+         r"RealKvSource.page_size must be an int; got page_size=None"),
+        ((jnp.zeros((8, 4, 16), jnp.uint8),), dict(page_size=True), TypeError, r"page_size=True"),
+        ((jnp.zeros((8, 4, 16), jnp.uint8),), dict(page_size=4.0), TypeError, r"page_size=4.0"),
+        ((jnp.zeros((8, 4, 16), jnp.uint8),), dict(page_size=4, read_bytes="16"), TypeError,
+         r"RealKvSource.read_bytes must be an int; got read_bytes='16'"),
+        ((jnp.zeros((8, 4, 16), jnp.uint8),), dict(page_size=4, read_bytes=-16), ValueError, r"read_bytes=-16"),
+        ((jnp.zeros((8, 4, 4), jnp.complex64),), {}, TypeError, r"RealKvSource.data must have .*got dtype complex64"),
+        ((jnp.zeros((8, 32), jnp.int4),), {}, TypeError, r"got dtype int4"),
+        ((jnp.zeros((), jnp.float32),), {}, ValueError, r"RealKvSource.data needs a leading page axis; got shape \(\)"),
+        ((None,), {}, TypeError, r"RealKvSource.data must be an array; got NoneType"),
+        # Paged by 4 but declared paged by 8: 16 bytes per page row would leave 8 bytes per token.
+        ((jnp.zeros((8, 4, 4), jnp.float32),), dict(page_size=8), ValueError,
+         r"num_bytes_per_token must be a positive multiple of 16; got 8"),
+    ],
+)  # fmt: skip
+def test_real_kv_source_names_every_bad_argument(args, kwargs, error, pattern):
+    with pytest.raises(error, match=pattern):
+        kc.RealKvSource(*args, **kwargs)
+
+
 def test_real_kv_source_takes_numpy_data_and_integers():
     src = kc.RealKvSource(np.zeros((8, 4, 16), np.uint8), page_size=np.int64(4), read_bytes=np.int32(16))
     assert isinstance(src.data, jax.Array) and (src.page_size, src.num_bytes_per_token, src.read_bytes) == (4, 16, 16)
