@@ -1,0 +1,262 @@
+"""Misuse of the runtime tier, as a new user wiring ``KvCanary`` into an engine commits it.
+
+Static mistakes (types, shapes, dtypes, layouts, a state or sources of another canary) fail at trace time with a
+message naming the argument and what it received. Bad values inside a step (out-of-range indices, negative lengths,
+reserved rows and slots) become exactly one ``INVALID_INPUT`` row per bad value and step, naming the field, the
+entry and the value; padding, in each convention, is never a violation; and next to every misuse, a correct batch
+stays silent while an injected fault is still found at its slot.
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import kvcanary_jax as kc
+from kvcanary_jax import FailReason, testing
+from kvcanary_jax.testing import assert_no_violations, expect_violation
+from tests.runtime.misuse_testlib import (
+    BATCH,
+    CONTEXT,
+    LUT,
+    NUM_SLOTS,
+    PADDINGS,
+    PAGE_SIZE,
+    SWA_SLOTS,
+    TABLE_ROWS,
+    TOKENS,
+    WINDOW,
+    Padding,
+    Request,
+    loop,
+    pack,
+    pack_padded,
+    prefill,
+)
+
+INVALID = FailReason.INVALID_INPUT
+_SETTINGS = settings(
+    max_examples=15, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow], database=None
+)
+
+# ---------------------------------------------------------------------------------------- pool and canary descriptions
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "pattern"),
+    [
+        (dict(num_slots=16.0), ValueError, r"CanaryPool.num_slots must be a positive int; got num_slots=16.0"),
+        (dict(num_slots="16"), ValueError, r"num_slots='16'"),
+        (dict(num_slots=True), ValueError, r"num_slots=True"),
+        (dict(num_slots=1), ValueError, r"num_slots must be >= 2 \(slot 0 is the reserved padding slot\)"),
+        (dict(page_size=0), ValueError, r"CanaryPool.page_size must be a positive int; got page_size=0"),
+        (dict(page_size=None), ValueError, r"page_size=None"),
+        (dict(padding="Reserved"), ValueError, r"CanaryPool.padding must be one of .*got padding='Reserved'"),
+        (dict(padding=None), ValueError, r"got padding=None"),
+        (dict(padding=-1), ValueError, r"got padding=-1"),
+        (dict(swa={"num_slots": 8, "window": 4}), TypeError, r"CanaryPool.swa must be a SwaGroup or None; got dict"),
+        (dict(with_v=1), TypeError, r"CanaryPool.with_v must be a bool; got with_v=1"),
+        (dict(verify_capacity=0), ValueError, r"CanaryPool.verify_capacity must be a positive int; got .*=0"),
+        (dict(max_reqs=True), ValueError, r"max_reqs=True"),
+        (dict(max_context_len=-4), ValueError, r"max_context_len=-4"),
+        (dict(kv_token_id_vs_position_offset=1.0), TypeError, r"kv_token_id_vs_position_offset must be an int; got 1.0"),
+    ],
+)  # fmt: skip
+def test_canary_pool_names_every_bad_argument(kwargs, error, pattern):
+    with pytest.raises(error, match=pattern):
+        kc.CanaryPool(**{"num_slots": 16, **kwargs})
+
+
+def test_pool_and_canary_take_numpy_integers():
+    pool = kc.CanaryPool(
+        num_slots=np.int64(16), page_size=np.int32(4), swa=kc.SwaGroup(np.int64(8), np.int16(4)),
+        verify_capacity=np.uint16(40), kv_token_id_vs_position_offset=np.int64(1),
+    )  # fmt: skip
+    assert pool == kc.CanaryPool(
+        num_slots=16, page_size=4, swa=kc.SwaGroup(8, 4), verify_capacity=40, kv_token_id_vs_position_offset=1
+    )
+    assert type(pool.num_slots) is int and type(pool.swa.window) is int
+    canary = kc.KvCanary(kc.CanaryConfig(ring_capacity=np.int64(8)), pool)
+    assert canary.init_state().full.k_head.shape == (16, 4, 2)
+
+
+def test_kv_canary_names_its_arguments():
+    config, pool = kc.CanaryConfig(), kc.CanaryPool(num_slots=16)
+    with pytest.raises(TypeError, match=r"config must be a CanaryConfig; got CanaryPool"):
+        kc.KvCanary(pool, config)  # swapped
+    with pytest.raises(TypeError, match=r"pool must be a CanaryPool; got NoneType"):
+        kc.KvCanary(config, None)
+    with pytest.raises(TypeError, match=r"pool must be a CanaryPool; got SwaGroup"):
+        kc.KvCanary(config, kc.SwaGroup(8, 4))
+
+
+# ------------------------------------------------------------------------------------------------------- kv_sources
+
+_CANARY = kc.KvCanary(kc.CanaryConfig(real_kv_hash_mode="partial"), kc.CanaryPool(num_slots=16, page_size=4))
+_SWA_CANARY = kc.KvCanary(
+    kc.CanaryConfig(), kc.CanaryPool(num_slots=16, page_size=4, swa=kc.SwaGroup(8, 2, page_size=2), with_v=False)
+)
+_KV = jnp.zeros((4, 4, 2, 8), jnp.bfloat16)  # [pages, page_size, kv_heads, head_dim]: 32 bytes per token
+
+
+def test_kv_sources_take_numpy_arrays_and_sequences():
+    sources = _CANARY.kv_sources(full_k=np.zeros((4, 4, 2, 8), np.float16), full_v=[_KV, _KV])
+    (k,), (v0, v1) = sources.full_k, sources.full_v
+    assert isinstance(k.data, jax.Array) and (k.page_size, k.num_bytes_per_token) == (4, 32)
+    assert v0.data is _KV and v1.page_size == 4
+    swa = _SWA_CANARY.kv_sources(swa_k=_KV.reshape(8, 2, 2, 8)).swa_k[0]
+    assert swa.page_size == 2 and swa.num_token_slots == 16
+
+
+# ------------------------------------------------------------------------------------------- CanaryBatch (trace time)
+
+
+def _host_batch():
+    requests = [Request(1, 2, 1, (3, 4, 5)), Request(2, 0, 2, (6, 7))]
+    return pack(requests, Padding(rows=((-1, 0, 0),)))
+
+
+_FRESH = object()
+
+
+def _trace(canary, batch, state=_FRESH):
+    """Traces ``before_forward`` without compiling: trace-time errors raise, a good batch gives the state's shapes."""
+    return jax.eval_shape(canary.before_forward, canary.init_state() if state is _FRESH else state, batch)
+
+
+_ROW_FIELDS = ("req_pool_indices", "prefix_lens", "extend_lens")
+_TOKEN_FIELDS = ("input_ids", "positions", "out_cache_loc")
+
+
+def test_a_host_batch_of_numpy_int64_arrays_is_accepted():
+    """numpy arrays (any integer width jax maps to int32) go through; the state comes back with its own shapes."""
+    canary = loop("negative").canary
+    host = jax.tree.map(lambda x: np.asarray(x, np.int64), _host_batch())
+    out = _trace(canary, host)
+    assert out.full.k_head.shape == (NUM_SLOTS, 4, 2) and out.swa.v_tail.shape == (SWA_SLOTS, 4, 2)
+
+
+def _asserting(**config):
+    pool = kc.CanaryPool(
+        num_slots=NUM_SLOTS, page_size=PAGE_SIZE, max_reqs=TABLE_ROWS, max_context_len=CONTEXT, with_v=False
+    )
+    return kc.KvCanary(kc.CanaryConfig(backend="xla", **config), pool)
+
+
+# ------------------------------------------------------------------------------- the state and sources of the canary
+
+
+# ------------------------------------------------------------------------------------------------------------ sweeps
+
+
+def _entries(slots=(3, 4), positions=(0, 1), prev=(-1, 3)):
+    return kc.SweepEntries(*(np.asarray(x, np.int32) for x in (slots, positions, prev)))
+
+
+def test_a_correct_sweep_is_silent_and_finds_an_idle_fault():
+    lp = loop("negative")
+    req = Request(1, 3, 0, (5, 6, 7))
+    kv, state = lp.run(pack_padded(prefill([req]), "negative"))
+    plan = lp.canary.sweep_plan(_entries(slots=(5, 6, 7), positions=(0, 1, 2), prev=(-1, 5, 6)), LUT)
+    assert int(plan.swa.num_valid[0]) == 3
+    with pytest.raises(TypeError, match=r"plan must be a SweepPlan \(see KvCanary.sweep_plan\); got VerifyPlan"):
+        lp.canary.sweep(state, plan.full, lp.sources(kv))
+    with pytest.raises(ValueError, match=r"the sweep plan has no SWA plan but the pool has that group"):
+        lp.canary.sweep(state, kc.SweepPlan(full=plan.full), lp.sources(kv))
+    assert_no_violations(lp.sweep(kv, state, plan))
+    full = testing.flip_kv_byte(kv[0], 6, page_size=PAGE_SIZE)
+    state = lp.sweep((full, kv[1]), state, plan)
+    v = expect_violation(state, tag="SWEEP_K_FULL", reason=FailReason.VERIFY_REAL_KV_HASH_MISMATCH, slot=6)
+    assert v.position == 1 and kc.read_violations(state.violation_log).write_index == 2  # K and V halves
+
+
+# ------------------------------------------------------------------------------------------------------ the monitor
+
+
+# ------------------------------------------------------------------------------------- run time: values in the step
+
+
+def _cached(requests):
+    """(request index, position, slot) of every cached position, in batch order."""
+    return [(i, p, r.slots[p]) for i, r in enumerate(requests) for p in range(r.prefix)]
+
+
+@st.composite
+def scenarios(draw, padding: str):
+    """Requests (the first with 2 cached positions, so a fault has a target) and the convention's padding.
+
+    Padding rows and tokens hold whatever an engine may leave there: garbage lengths in ``negative`` padding rows,
+    slot 0 for ``reserved`` padding tokens (CUDA-graph padding writes the padding slot), nothing for ``none``.
+    """
+    n = BATCH if padding == "none" else draw(st.integers(1, BATCH))
+    rows = draw(st.permutations(range(1 if padding == "reserved" else 0, TABLE_ROWS)))[:n]
+    slots = iter(draw(st.permutations(range(1, SWA_SLOTS))))  # resident in the SWA pool of the "negative" loop
+    requests = []
+    for i, row in enumerate(rows):
+        prefix = 2 if i == 0 else draw(st.integers(0, 2))
+        extend = draw(st.integers(1, 2))
+        requests.append(Request(row, prefix, extend, tuple(next(slots) for _ in range(prefix + extend))))
+    ints = lambda lo, hi: st.integers(lo, hi)  # noqa: E731
+    if padding == "negative":
+        pad_row, pad_loc = st.tuples(ints(-9, -1), ints(-4, 20), ints(-4, 3)), ints(-9, -1)
+    elif padding == "reserved":
+        pad_row, pad_loc = st.tuples(st.just(0), st.just(0), ints(0, 2)), st.sampled_from([0, -1])
+    else:
+        pad_row, pad_loc = st.nothing(), ints(-9, 0)
+    pad_rows = tuple(draw(pad_row) for _ in range(BATCH - n))
+    pad_tokens = tuple(draw(st.tuples(ints(-5, 999), ints(-5, 50), pad_loc)) for _ in range(3))
+    return requests, Padding(pad_rows, pad_tokens)
+
+
+def _steps(requests, padding):
+    return pack(prefill(requests), padding), pack(requests, padding)
+
+
+@pytest.mark.parametrize("padding", PADDINGS)
+@_SETTINGS
+@given(data=st.data())
+def test_valid_batches_are_silent_and_faults_are_found_at_their_slot(padding, data):
+    lp = loop(padding)
+    requests, pad = data.draw(scenarios(padding))
+    step_a, step_b = _steps(requests, pad)
+    kv, state = lp.run(step_a, step_b)
+    assert_no_violations(state)
+
+    # A page-table fault: position 1 of the first request mapped to its position-0 slot.
+    first = requests[0]
+    remapped = dataclasses.replace(step_b, req_to_token=testing.remap_slot(step_b.req_to_token, first.row, 1, first.slots[0]))  # fmt: skip
+    state = lp.run(step_a, remapped)[1]
+    v = expect_violation(state, tag="HEAD_K_FULL", reason=FailReason.VERIFY_POSITION_MISMATCH, slot=first.slots[0])
+    assert (v.position, v.expected_position, v.request_row) == (0, 1, first.row)
+    if lp.real_kv:  # a KV fault on a cached slot, before step B's forward
+        _, _, slot = data.draw(st.sampled_from(_cached(requests)))
+        kv, state = lp.run(step_a)
+        kv = (testing.flip_kv_byte(kv[0], slot, page_size=PAGE_SIZE), kv[1])
+        state = lp.run(step_b, kv=kv, state=state)[1]
+        expect_violation(state, tag="TAIL_K_FULL", reason=FailReason.VERIFY_REAL_KV_HASH_MISMATCH, slot=slot)
+
+
+def test_request_row_zero_is_a_request_unless_reserved():
+    """The issue's first trap: a request in table row 0 must be checked (or refused), never skipped."""
+    request = Request(0, 2, 1, (3, 4, 5))
+    step_a, step_b = pack_padded(prefill([request]), "negative"), pack_padded([request], "negative")
+    lp = loop("negative")
+    kv, state = lp.run(step_a)
+    kv = (testing.flip_kv_byte(kv[0], 4, page_size=PAGE_SIZE), kv[1])
+    state = lp.run(step_b, kv=kv, state=state)[1]
+    expect_violation(state, tag="TAIL_K_FULL", reason=FailReason.VERIFY_REAL_KV_HASH_MISMATCH, slot=4)
+    reserved = dataclasses.replace(step_b, req_pool_indices=np.array([0, 0, 0], np.int32))
+    state = loop("reserved").run(reserved)[1]
+    v = expect_violation(state, tag="HEAD_K_FULL", reason=INVALID)
+    assert kc.read_violations(state.violation_log).write_index == 1
+    assert "input: req_pool_indices[0] = 0 is the reserved padding row 0" in kc.format_violation(v, total=1, overflowed=False)  # fmt: skip
+
+
+def test_window_and_table_sizes_of_the_loops():
+    """What the scenarios above assume of the loops' shapes."""
+    assert WINDOW == 1 and LUT[SWA_SLOTS - 1] == SWA_SLOTS - 1 and LUT[SWA_SLOTS] == 0
+    assert loop("negative").canary.pool.swa.window == WINDOW and TOKENS >= 3 * 2 and CONTEXT >= TOKENS + 4
