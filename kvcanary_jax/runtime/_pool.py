@@ -46,6 +46,10 @@ class SwaGroup:
         for name in ("num_slots", "window", "page_size", "verify_capacity"):
             if getattr(self, name) is not None or name in ("num_slots", "window"):
                 _positive(self, "SwaGroup", name)
+        if self.num_slots < 2:
+            raise ValueError(
+                f"SwaGroup.num_slots must be >= 2 (slot 0 is the reserved padding slot); got num_slots={self.num_slots}"
+            )
 
 
 @dataclasses.dataclass(frozen=True)

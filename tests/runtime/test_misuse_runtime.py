@@ -71,6 +71,21 @@ def test_canary_pool_names_every_bad_argument(kwargs, error, pattern):
         kc.CanaryPool(**{"num_slots": 16, **kwargs})
 
 
+@pytest.mark.parametrize(
+    ("kwargs", "error", "pattern"),
+    [
+        (dict(num_slots=1), ValueError, r"SwaGroup.num_slots must be >= 2 \(slot 0 is the reserved padding slot\)"),
+        (dict(num_slots=8.0), ValueError, r"SwaGroup.num_slots must be a positive int; got num_slots=8.0"),
+        (dict(window=None), ValueError, r"SwaGroup.window must be a positive int; got window=None"),
+        (dict(page_size=0), ValueError, r"SwaGroup.page_size must be a positive int; got page_size=0"),
+        (dict(verify_capacity="3"), ValueError, r"verify_capacity='3'"),
+    ],
+)  # fmt: skip
+def test_swa_group_names_every_bad_argument(kwargs, error, pattern):
+    with pytest.raises(error, match=pattern):
+        kc.SwaGroup(**{"num_slots": 8, "window": 4, **kwargs})
+
+
 def test_pool_and_canary_take_numpy_integers():
     pool = kc.CanaryPool(
         num_slots=np.int64(16), page_size=np.int32(4), swa=kc.SwaGroup(np.int64(8), np.int16(4)),
