@@ -34,6 +34,15 @@ from kvcanary_jax.runtime._batch import CanaryBatch, CanaryState
 from pallas_kernels import checks
 
 
+def _phase(value) -> Phase:
+    """A Phase from a member, its value or its (case-insensitive) name."""
+    if isinstance(value, str) and value.strip().upper() in Phase.__members__:
+        return Phase[value.strip().upper()]
+    if checks.is_int(value) and int(value) in Phase._value2member_map_:
+        return Phase(int(value))
+    raise ValueError(f"phases must hold Phase members or their names {list(Phase.__members__)}; got {value!r}")
+
+
 @dataclasses.dataclass(frozen=True)
 class KvCanary:
     """The canary of one KV pool: static settings plus pure functions over :class:`CanaryState`.
@@ -75,11 +84,14 @@ class KvCanary:
     def launch_tags(self, phases: tuple[Phase | str, ...] = tuple(Phase)) -> tuple[CanaryLaunchTag, ...]:
         """Tags this canary launches in ``phases`` (SWEEP only when ``sweep_interval > 0``); empty when off.
 
-        Phases are :class:`Phase` members or their names (``"HEAD"``, ``"TAIL"``, ``"SWEEP"``).
+        Phases are :class:`Phase` members or their names (``"HEAD"``, ``"TAIL"``, ``"SWEEP"``, any case); a single
+        phase may be given alone.
         """
         if not self.enabled:
             return ()
-        phases = tuple(Phase[p] if isinstance(p, str) else Phase(p) for p in phases)
+        if isinstance(phases, (str, Phase)) or checks.is_int(phases):
+            phases = (phases,)
+        phases = tuple(_phase(p) for p in phases)
         phases = tuple(p for p in phases if p is not Phase.SWEEP or self.config.sweep_interval > 0)
         return tuple(sorted(g.tag(p, h) for g in self.groups for p in phases for h in self.halves))
 

@@ -109,6 +109,16 @@ def test_kv_canary_names_its_arguments():
         kc.KvCanary(config, kc.SwaGroup(8, 4))
 
 
+def test_launch_tags_parse_phases_or_name_the_bad_one():
+    canary = kc.KvCanary(kc.CanaryConfig(), kc.CanaryPool(num_slots=16, with_v=False))
+    T = kc.CanaryLaunchTag
+    assert canary.launch_tags(("head",)) == canary.launch_tags((kc.Phase.HEAD,)) == (T.HEAD_K_FULL,)
+    assert canary.launch_tags("TAIL") == canary.launch_tags(np.int64(1)) == (T.TAIL_K_FULL,)
+    for bad in [("HED",), (7,), (1.0,), (None,)]:
+        with pytest.raises(ValueError, match=rf"phases must hold Phase members or their names .*got {bad[0]!r}"):
+            canary.launch_tags(bad)
+
+
 # ------------------------------------------------------------------------------------------------------- kv_sources
 
 _CANARY = kc.KvCanary(kc.CanaryConfig(real_kv_hash_mode="partial"), kc.CanaryPool(num_slots=16, page_size=4))
