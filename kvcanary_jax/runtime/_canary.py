@@ -31,7 +31,7 @@ from kvcanary_jax.core._constants import CanaryLaunchTag, Half, Phase, RealKvHas
 from kvcanary_jax.core._state import CanaryDeviceState, allocate_canary_buffer
 from kvcanary_jax.runtime import _inputs, _pool, _sweep
 from kvcanary_jax.runtime._batch import CanaryBatch, CanaryState
-from pallas_kernels import checks
+from pallas_kernels import checks, realkv
 
 
 def _phase(value) -> Phase:
@@ -434,6 +434,16 @@ class KvCanary:
             raise TypeError(
                 f"kv_cache_sources must be KvSources (see KvCanary.kv_sources); got {type(sources).__name__}"
             )
+        launched = {f"{g.name}_{h.name.lower()}": (g, h) for g in self.groups for h in self.halves}
+        for field in dataclasses.fields(_pool.KvSources):
+            value, arg = getattr(sources, field.name), f"kv_cache_sources.{field.name}"
+            if field.name in launched:
+                realkv.validate_sources(value, num_slots=launched[field.name][0].num_slots, arg=arg)
+            elif value:
+                raise ValueError(
+                    f"{arg} holds sources, but no launch of this canary reads them (CanaryPool.swa="
+                    f"{self.pool.swa!r}, with_v={self.pool.with_v})"
+                )
         if self.config.real_kv_hash_mode == RealKvHashMode.NONE:
             return
         for g in self.groups:

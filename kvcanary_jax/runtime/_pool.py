@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvcanary_jax.core._constants import CanaryLaunchTag, Half, Phase, PoolKind, launch_tag
-from pallas_kernels import checks
+from pallas_kernels import checks, realkv
 from pallas_kernels.realkv import RealKvSource, check_kv_dtype
 
 PADDINGS = ("negative", "reserved", "none")
@@ -186,7 +186,7 @@ def as_sources(name: str, value, page_size: int, num_slots: int) -> tuple[RealKv
     """One field of :class:`KvSources` from None, an array, a RealKvSource, or a sequence of those.
 
     An array must be paged as the pool is: ``[pages, page_size, ...]``, page axis first, covering every slot of
-    the group. (A :class:`RealKvSource` states its own layout; it is checked when a launch uses it.)
+    the group. (A :class:`RealKvSource` states its own layout; only its coverage of the group is checked.)
     """
     if value is None:
         return ()
@@ -200,7 +200,7 @@ def as_sources(name: str, value, page_size: int, num_slots: int) -> tuple[RealKv
             out.append(RealKvSource(_paged_kv(arg, item, page_size, num_slots), page_size=page_size))
         else:
             raise TypeError(f"{arg} must be a KV array or a RealKvSource; got {type(item).__name__}")
-    return tuple(out)
+    return realkv.validate_sources(tuple(out), num_slots=num_slots, arg=name)
 
 
 def _paged_kv(arg: str, kv, page_size: int, num_slots: int):

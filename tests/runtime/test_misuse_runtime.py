@@ -128,6 +128,39 @@ _SWA_CANARY = kc.KvCanary(
 _KV = jnp.zeros((4, 4, 2, 8), jnp.bfloat16)  # [pages, page_size, kv_heads, head_dim]: 32 bytes per token
 
 
+@pytest.mark.parametrize(
+    ("canary", "kwargs", "error", "pattern"),
+    [
+        # A head-major array: [pages, heads, page_size, dim]. The page size is found on a later axis.
+        (_CANARY, dict(full_k=_KV.transpose(0, 2, 1, 3)), ValueError,
+         r"full_k must be a paged KV array laid out \[pages, page_size=4, \.\.\.\] .*got shape \(4, 2, 4, 8\)\. "
+         r"The page_size \(4\) is a later axis: a head-major"),
+        # The case: a page size of 8 declared over KV paged by 4 (and the converse).
+        (_CANARY, dict(full_k=_KV.reshape(2, 8, 2, 8)), ValueError, r"page_size=4.*got shape \(2, 8, 2, 8\)"),
+        (_CANARY, dict(full_v=_KV.reshape(8, 2, 2, 8)), ValueError, r"full_v must be .*got shape \(8, 2, 2, 8\)"),
+        (_CANARY, dict(full_k=_KV[:3]), ValueError,
+         r"full_k holds 3 pages x 4 = 12 slots, fewer than the group's num_slots=16"),
+        (_CANARY, dict(full_k=_KV.reshape(-1)), ValueError, r"full_k must be a paged KV array .*got shape \(256,\)"),
+        (_CANARY, dict(full_k=_KV.astype(bool)), TypeError, r"full_k must have a 1/2/4/8-byte .*got dtype bool"),
+        (_CANARY, dict(full_k=jnp.zeros((4, 4, 4), jnp.complex64)), TypeError, r"got dtype complex64"),
+        (_CANARY, dict(full_k=jnp.zeros((4, 4, 2), jnp.float32)), ValueError,
+         r"num_bytes_per_token must be a positive multiple of 16; got 8"),
+        (_CANARY, dict(full_k=[1, 2]), TypeError, r"full_k\[0\] must be a KV array or a RealKvSource; got int"),
+        (_CANARY, dict(full_k=3), TypeError, r"full_k must be a KV array or a RealKvSource; got int"),
+        (_CANARY, dict(full_k=[_KV] * 5), ValueError, r"full_k holds at most 4 sources; got 5"),
+        (_CANARY, dict(full_v=kc.RealKvSource(_KV[:2], page_size=4)), ValueError,
+         r"full_v\[0\] holds 8 token slots .* num_slots=16"),
+        (_CANARY, dict(swa_k=_KV), ValueError, r"swa_k / swa_v were given but the pool has no SWA group"),
+        (_SWA_CANARY, dict(full_v=_KV), ValueError, r"full_v / swa_v were given but CanaryPool.with_v is False"),
+        (_SWA_CANARY, dict(swa_k=_KV), ValueError,
+         r"swa_k must be a paged KV array laid out \[pages, page_size=2, .*got shape \(4, 4, 2, 8\)"),
+    ],
+)  # fmt: skip
+def test_kv_sources_name_every_bad_array(canary, kwargs, error, pattern):
+    with pytest.raises(error, match=pattern):
+        canary.kv_sources(**kwargs)
+
+
 def test_kv_sources_take_numpy_arrays_and_sequences():
     sources = _CANARY.kv_sources(full_k=np.zeros((4, 4, 2, 8), np.float16), full_v=[_KV, _KV])
     (k,), (v0, v1) = sources.full_k, sources.full_v
@@ -173,6 +206,32 @@ def _asserting(**config):
 
 
 # ------------------------------------------------------------------------------- the state and sources of the canary
+
+
+def test_sources_are_checked_by_field_name():
+    lp = loop("negative")
+    canary, (kv, state) = lp.canary, lp.init()
+    good = lp.sources(kv)
+    for sources, error, pattern in [
+        (None, TypeError, r"kv_cache_sources must be KvSources \(see KvCanary.kv_sources\); got NoneType"),
+        ({"full_k": kv[0]}, TypeError, r"kv_cache_sources must be KvSources .*got dict"),
+        # Built by hand around a raw array instead of through kv_sources().
+        (dataclasses.replace(good, full_k=kv[0]), TypeError,
+         r"kv_cache_sources.full_k must be a tuple of RealKvSource; got ArrayImpl"),
+        (dataclasses.replace(good, swa_v=good.swa_v * 5), ValueError,
+         r"kv_cache_sources.swa_v holds at most 4 sources; got 5"),
+        (dataclasses.replace(good, full_v=(kc.RealKvSource(kv[0][:2], page_size=PAGE_SIZE),)), ValueError,
+         rf"kv_cache_sources.full_v\[0\] holds 8 token slots .*num_slots={NUM_SLOTS}"),
+        (dataclasses.replace(good, swa_k=()), ValueError,
+         r"real_kv_hash_mode=PARTIAL but kv_cache_sources has no swa_k source"),
+    ]:  # fmt: skip
+        with pytest.raises(error, match=pattern):
+            canary.after_forward(state, _host_batch(), sources)
+        with pytest.raises(error, match=pattern):
+            canary.sweep(state, canary.sweep_plan(kc.SweepEntries.empty(), LUT), sources)
+    k_only = loop("none").canary
+    with pytest.raises(ValueError, match=r"kv_cache_sources.full_v holds sources, but no launch of this canary reads"):
+        k_only.sweep(k_only.init_state(), k_only.sweep_plan(kc.SweepEntries.empty()), good)
 
 
 # ------------------------------------------------------------------------------------------------------------ sweeps
