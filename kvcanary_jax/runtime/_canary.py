@@ -33,6 +33,10 @@ from kvcanary_jax.runtime import _inputs, _pool, _sweep
 from kvcanary_jax.runtime._batch import CanaryBatch, CanaryState
 from pallas_kernels import checks, realkv
 
+_REQUIRED_FIELDS = (
+    "req_pool_indices", "prefix_lens", "extend_lens", "req_to_token", "input_ids", "positions", "out_cache_loc",
+)  # fmt: skip
+
 
 def _phase(value) -> Phase:
     """A Phase from a member, its value or its (case-insensitive) name."""
@@ -402,32 +406,79 @@ class KvCanary:
             raise TypeError(f"state must be a CanaryState (from KvCanary.init_state); got {type(state).__name__}")
 
     def _checked_batch(self, state, batch) -> CanaryBatch:
-        """Checks the batch against the config; returns it with every field a jax array (numpy works eagerly too)."""
+        """Checks the batch's arrays and what the config needs of it; returns it with every field a jax array.
+
+        Shapes, dtypes and presence are static, so they are checked here, at trace time, naming the field; the
+        values are checked in the step (:mod:`kvcanary_jax.runtime._inputs`).
+        """
         self._check_state(state)
         if not isinstance(batch, CanaryBatch):
             raise TypeError(f"batch must be a CanaryBatch; got {type(batch).__name__}")
-        if self.pool.swa is not None and batch.full_to_swa_index_mapping is None:
-            raise ValueError(
-                "the pool has an SWA group, so batch.full_to_swa_index_mapping (i32[num_slots + 1], the full->SWA "
-                "slot table) is required"
+        arrays = {}
+        for field in dataclasses.fields(CanaryBatch):
+            x = getattr(batch, field.name)
+            if x is None:
+                if field.name in _REQUIRED_FIELDS:
+                    raise TypeError(f"batch.{field.name} is required (an int32 array); got None")
+            elif not hasattr(x, "shape") or not hasattr(x, "dtype"):
+                raise TypeError(f"batch.{field.name} must be an int32 array; got {type(x).__name__}")
+            else:
+                arrays[field.name] = jnp.asarray(x)  # a host (numpy) batch works eagerly too
+        rows = {f"batch.{n}": arrays[n] for n in ("req_pool_indices", "prefix_lens", "extend_lens")}
+        tokens = {f"batch.{n}": arrays[n] for n in ("input_ids", "positions", "out_cache_loc")}
+        if self.config.enable_write_input_assert:
+            if "expected_input_ids" not in arrays:
+                raise ValueError(
+                    "config.enable_write_input_assert compares written tokens with batch.expected_input_ids, but it "
+                    "is None; pass the oracle's tokens (i32[T]) or turn the assert off"
+                )
+            tokens.update(
+                {f"batch.{n}": arrays[n] for n in ("expected_input_ids", "expected_positions") if n in arrays}
             )
-        if self.config.enable_write_input_assert and batch.expected_input_ids is None:
-            raise ValueError(
-                "config.enable_write_input_assert compares written tokens with batch.expected_input_ids, but it is "
-                "None; pass the oracle's tokens (i32[T]) or turn the assert off"
-            )
+        for group in (rows, tokens):
+            for name, x in group.items():
+                checks.array(name, x, dtype=jnp.int32, ndim=1)
+                if not x.shape[0]:
+                    raise ValueError(
+                        f"{name} needs at least one entry (shapes are static: pad it); got {name}.shape=(0,)"
+                    )
+            checks.same_length(group)
+        table = arrays["req_to_token"]
+        checks.array("batch.req_to_token", table, dtype=jnp.int32, ndim=2)  # an empty one: build_plans names it
+        if self.pool.swa is not None:
+            lut = arrays.get("full_to_swa_index_mapping")
+            if lut is None:
+                raise ValueError(
+                    "the pool has an SWA group, so batch.full_to_swa_index_mapping (i32[num_slots + 1], the full->SWA "
+                    "slot table) is required"
+                )
+            checks.array("batch.full_to_swa_index_mapping", lut, dtype=jnp.int32, ndim=1)
+            if lut.shape[0] < self.pool.num_slots:
+                raise ValueError(
+                    f"batch.full_to_swa_index_mapping must map every full-pool slot (i32[num_slots + 1], "
+                    f"num_slots={self.pool.num_slots}); got batch.full_to_swa_index_mapping.shape={tuple(lut.shape)}"
+                )
         if self.config.enable_verify_token_assert:
-            if batch.token_ids is None or batch.token_ids_lens is None:
+            if "token_ids" not in arrays or "token_ids_lens" not in arrays:
                 raise ValueError(
                     "config.enable_verify_token_assert needs batch.token_ids (i32[max_reqs, max_context_len]) and "
                     "batch.token_ids_lens (i32[bs]); pass the requests' token history or turn the assert off"
                 )
             pool_shape = state.device.req_to_verify_expected_tokens.shape
-            checks.array("batch.token_ids", batch.token_ids, dtype=jnp.int32, shape=pool_shape)
+            if tuple(table.shape) != tuple(pool_shape):
+                raise ValueError(
+                    f"batch.req_to_token must have CanaryPool's shape (max_reqs, max_context_len)={tuple(pool_shape)} "
+                    f"while the verify-token assert keeps a token pool of that shape; got batch.req_to_token.shape="
+                    f"{tuple(table.shape)}"
+                )
+            checks.array("batch.token_ids", arrays["token_ids"], dtype=jnp.int32, shape=pool_shape)
             checks.array(
-                "batch.token_ids_lens", batch.token_ids_lens, dtype=jnp.int32, shape=batch.req_pool_indices.shape
+                "batch.token_ids_lens",
+                arrays["token_ids_lens"],
+                dtype=jnp.int32,
+                shape=arrays["req_pool_indices"].shape,
             )
-        return jax.tree.map(jnp.asarray, batch)
+        return dataclasses.replace(batch, **arrays)
 
     def _check_sources(self, sources) -> None:
         if not isinstance(sources, _pool.KvSources):

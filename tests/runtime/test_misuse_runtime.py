@@ -190,6 +190,48 @@ _ROW_FIELDS = ("req_pool_indices", "prefix_lens", "extend_lens")
 _TOKEN_FIELDS = ("input_ids", "positions", "out_cache_loc")
 
 
+def _bad_fields():
+    for name in _ROW_FIELDS + _TOKEN_FIELDS:
+        x = getattr(_host_batch(), name)
+        group = _ROW_FIELDS if name in _ROW_FIELDS else _TOKEN_FIELDS
+        yield name, "float", x.astype(np.float32), TypeError, rf"batch.{name} must have dtype int32; got batch.{name}.dtype=float32"  # fmt: skip
+        yield name, "uint32", x.astype(np.uint32), TypeError, rf"batch.{name}.dtype=uint32"
+        yield name, "2-D", x.reshape(1, -1), ValueError, rf"batch.{name} must have 1 dimension\(s\); got .*shape=\(1, {len(x)}\)"  # fmt: skip
+        yield name, "scalar", x[0], ValueError, rf"batch.{name} must have 1 dimension\(s\); got batch.{name}.shape=\(\)"
+        yield name, "short", x[:-1], ValueError, rf"same length: .*'batch.{name}': {len(x) - 1}"
+        yield name, "list", x.tolist(), TypeError, rf"batch.{name} must be an int32 array; got list"
+        yield name, "None", None, TypeError, rf"batch.{name} is required \(an int32 array\); got None"
+        del group
+    table = _host_batch().req_to_token
+    yield "req_to_token", "1-D", table[1], ValueError, r"batch.req_to_token must have 2 dimension\(s\); got .*\(12,\)"
+    yield "req_to_token", "3-D", table[None], ValueError, r"batch.req_to_token.shape=\(1, 4, 12\)"
+    yield "req_to_token", "float", table.astype(np.float32), TypeError, r"batch.req_to_token.dtype=float32"
+    yield "req_to_token", "no columns", table[:, :0], ValueError, r"req_to_token needs at least one row and one column; got req_to_token.shape=\(4, 0\)"  # fmt: skip
+    yield "req_to_token", "list", table.tolist(), TypeError, r"batch.req_to_token must be an int32 array; got list"
+    yield "req_to_token", "None", None, TypeError, r"batch.req_to_token is required"
+
+
+@pytest.mark.parametrize(("field", "value", "error", "pattern"), [c[:1] + c[2:] for c in _bad_fields()],
+                         ids=[f"{c[0]}-{c[1]}" for c in _bad_fields()])  # fmt: skip
+def test_batch_fields_are_checked_by_name(field, value, error, pattern):
+    canary = loop("negative").canary
+    with pytest.raises(error, match=pattern):
+        _trace(canary, dataclasses.replace(_host_batch(), **{field: value}))
+
+
+def test_empty_batches_are_refused_by_name():
+    canary = loop("none").canary
+    i32 = lambda *v: np.array(v, np.int32)  # noqa: E731
+    no_rows = dataclasses.replace(_host_batch(), req_pool_indices=i32(), prefix_lens=i32(), extend_lens=i32())
+    with pytest.raises(ValueError, match=r"batch.req_pool_indices needs at least one entry .*shape=\(0,\)"):
+        _trace(canary, no_rows)
+    no_tokens = dataclasses.replace(_host_batch(), input_ids=i32(), positions=i32(), out_cache_loc=i32())
+    with pytest.raises(ValueError, match=r"batch.input_ids needs at least one entry"):
+        _trace(canary, no_tokens)
+    with pytest.raises(TypeError, match=r"batch must be a CanaryBatch; got dict"):
+        _trace(canary, dataclasses.asdict(_host_batch()))
+
+
 def test_a_host_batch_of_numpy_int64_arrays_is_accepted():
     """numpy arrays (any integer width jax maps to int32) go through; the state comes back with its own shapes."""
     canary = loop("negative").canary
@@ -203,6 +245,59 @@ def _asserting(**config):
         num_slots=NUM_SLOTS, page_size=PAGE_SIZE, max_reqs=TABLE_ROWS, max_context_len=CONTEXT, with_v=False
     )
     return kc.KvCanary(kc.CanaryConfig(backend="xla", **config), pool)
+
+
+def test_oracle_fields_are_checked_when_an_assert_uses_them():
+    canary = _asserting(enable_write_input_assert=True)
+    batch = _host_batch()
+    ok = batch.input_ids
+    for value, error, pattern in [
+        (None, ValueError, r"config.enable_write_input_assert compares .* batch.expected_input_ids, but it is None"),
+        (ok[:1], ValueError, r"same length: .*'batch.expected_input_ids': 1"),  # would broadcast silently
+        (ok[:3], ValueError, r"'batch.expected_input_ids': 3"),
+        (ok.astype(np.float32), TypeError, r"batch.expected_input_ids must have dtype int32; got .*float32"),
+        (ok.reshape(1, -1), ValueError, r"batch.expected_input_ids must have 1 dimension\(s\)"),
+        (ok.tolist(), TypeError, r"batch.expected_input_ids must be an int32 array; got list"),
+    ]:
+        with pytest.raises(error, match=pattern):
+            _trace(canary, dataclasses.replace(batch, expected_input_ids=value))
+    for value, error, pattern in [
+        (batch.positions[:2], ValueError, r"'batch.expected_positions': 2"),
+        (batch.positions.astype(np.float32), TypeError, r"batch.expected_positions must have dtype int32"),
+    ]:
+        with pytest.raises(error, match=pattern):
+            _trace(canary, dataclasses.replace(batch, expected_input_ids=ok, expected_positions=value))
+    _trace(canary, dataclasses.replace(batch, expected_input_ids=ok))  # the oracle given: accepted
+
+    canary = _asserting(enable_verify_token_assert=True)
+    history = np.zeros((TABLE_ROWS, CONTEXT), np.int32)
+    lens = np.array([3, 2, 0], np.int32)
+    for changes, error, pattern in [
+        (dict(token_ids=None), ValueError, r"needs batch.token_ids .* and batch.token_ids_lens"),
+        (dict(token_ids=history[:, :5]), ValueError, r"batch.token_ids must have shape \(4, 12\); got .*\(4, 5\)"),
+        (dict(token_ids_lens=lens.astype(np.float32)), TypeError, r"batch.token_ids_lens must have dtype int32"),
+        (dict(token_ids_lens=lens[:2]), ValueError, r"batch.token_ids_lens must have shape \(3,\); got .*\(2,\)"),
+        # A table of another shape than the pool's: rows past the token pool would be dropped from it silently.
+        (dict(req_to_token=np.zeros((6, CONTEXT), np.int32), token_ids=np.zeros((6, CONTEXT), np.int32)),
+         ValueError, r"batch.req_to_token must have CanaryPool's shape \(max_reqs, max_context_len\)=\(4, 12\) .*"
+         r"got batch.req_to_token.shape=\(6, 12\)"),
+    ]:  # fmt: skip
+        with pytest.raises(error, match=pattern):
+            _trace(canary, dataclasses.replace(batch, **{"token_ids": history, "token_ids_lens": lens, **changes}))
+
+
+def test_the_swa_table_is_checked_when_the_pool_has_an_swa_group():
+    canary, batch = loop("negative").canary, _host_batch()
+    for value, error, pattern in [
+        (None, ValueError, r"the pool has an SWA group, so batch.full_to_swa_index_mapping .* is required"),
+        # Shorter than the pool: slots past its end would read its last entry.
+        (LUT[:3], ValueError, rf"batch.full_to_swa_index_mapping must map every full-pool slot .*num_slots="
+         rf"{NUM_SLOTS}\); got batch.full_to_swa_index_mapping.shape=\(3,\)"),
+        (LUT.astype(np.float32), TypeError, r"batch.full_to_swa_index_mapping must have dtype int32"),
+        (LUT[None], ValueError, r"batch.full_to_swa_index_mapping must have 1 dimension\(s\)"),
+    ]:  # fmt: skip
+        with pytest.raises(error, match=pattern):
+            _trace(canary, dataclasses.replace(batch, full_to_swa_index_mapping=value))
 
 
 # ------------------------------------------------------------------------------- the state and sources of the canary
