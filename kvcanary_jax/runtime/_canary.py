@@ -168,6 +168,7 @@ class KvCanary:
 
     def mark_init_finished(self, state: CanaryState) -> CanaryState:
         """Turns on the write-time chain-position assert after warm-up; a device value, so nothing retraces."""
+        self._check_state(state)
         device = dataclasses.replace(state.device, enable_chain_position_assert=jnp.ones((1,), jnp.int32))
         return dataclasses.replace(state, device=device)
 
@@ -400,10 +401,37 @@ class KvCanary:
 
     # -- checks of what only this layer knows ----------------------------------------------------------------------
 
-    @staticmethod
-    def _check_state(state) -> None:
+    def _check_state(self, state) -> None:
+        """``state`` is shaped as this canary's ``init_state()`` (a state of another canary reads out of range)."""
         if not isinstance(state, CanaryState):
             raise TypeError(f"state must be a CanaryState (from KvCanary.init_state); got {type(state).__name__}")
+        if not self.enabled:
+            return
+        hint = "it was allocated by another canary; use this canary's init_state()"
+        capacity = state.device.violation_log.ring_capacity
+        if capacity != self.config.ring_capacity:
+            raise ValueError(
+                f"state's ring holds {capacity} rows but config.ring_capacity={self.config.ring_capacity}: {hint}"
+            )
+        pool = state.device.req_to_verify_expected_tokens
+        want_pool = (self.pool.max_reqs, self.pool.max_context_len) if self.config.enable_verify_token_assert else None
+        if (None if pool is None else tuple(pool.shape)) != want_pool:
+            raise ValueError(
+                f"state's expected-token pool is {None if pool is None else tuple(pool.shape)}, but this canary "
+                f"needs {want_pool} (config.enable_verify_token_assert={self.config.enable_verify_token_assert}): {hint}"
+            )
+        for g in self.groups:
+            buffers = state.buffers(g)
+            if buffers is None:
+                raise ValueError(f"state has no {g.name.upper()} buffers (state.{g.name} is None): {hint}")
+            for phase in (Phase.HEAD, Phase.TAIL):
+                for half in Half:
+                    buf = buffers.buffer(phase, half)
+                    name = f"state.{g.name}.{_pool.GroupBuffers.field_name(phase, half)}"
+                    if half in self.halves:
+                        checks.array(name, buf, dtype=jnp.uint32, shape=(g.num_slots, 4, 2))
+                    elif buf is not None:
+                        raise ValueError(f"{name} is set but CanaryPool.with_v is False: {hint}")
 
     def _checked_batch(self, state, batch) -> CanaryBatch:
         """Checks the batch's arrays and what the config needs of it; returns it with every field a jax array.

@@ -152,15 +152,16 @@ class GroupBuffers:
     v_tail: jax.Array | None = None
 
     @staticmethod
-    def _field(phase: Phase, half: Half) -> str:
+    def field_name(phase: Phase, half: Half) -> str:
+        """The attribute holding ``phase``'s ``half`` buffer, e.g. ``k_tail``."""
         return f"{half.name.lower()}_{'head' if phase is Phase.HEAD else 'tail'}"
 
     def buffer(self, phase: Phase, half: Half) -> jax.Array:
         """The buffer ``phase``'s ``half`` launches read and write."""
-        return getattr(self, self._field(phase, half))
+        return getattr(self, self.field_name(phase, half))
 
     def with_buffer(self, phase: Phase, half: Half, buf: jax.Array) -> GroupBuffers:
-        return dataclasses.replace(self, **{self._field(phase, half): buf})
+        return dataclasses.replace(self, **{self.field_name(phase, half): buf})
 
 
 @jax.tree_util.register_dataclass

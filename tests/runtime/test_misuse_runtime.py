@@ -303,6 +303,50 @@ def test_the_swa_table_is_checked_when_the_pool_has_an_swa_group():
 # ------------------------------------------------------------------------------- the state and sources of the canary
 
 
+def _other_states():
+    pool = loop("negative").canary.pool
+    config = loop("negative").canary.config
+    other = lambda **changes: kc.KvCanary(  # noqa: E731
+        dataclasses.replace(config, **changes.pop("config", {})), dataclasses.replace(pool, **changes)
+    ).init_state()
+    yield "off", other(config=dict(mode="off")), ValueError, r"state has no FULL buffers \(state.full is None\)"
+    yield "no-swa", other(swa=None), ValueError, r"state has no SWA buffers"
+    yield (
+        "smaller",
+        other(num_slots=16),
+        ValueError,
+        r"state.full.k_head must have shape \(32, 4, 2\); got .*\(16, 4, 2\)",
+    )
+    yield "k-only", other(with_v=False), TypeError, r"state.full.v_head must be an array; got NoneType"
+    yield (
+        "ring",
+        other(config=dict(ring_capacity=8)),
+        ValueError,
+        r"state's ring holds 8 rows but config.ring_capacity=64",
+    )
+    yield "device", loop("negative").canary.init_state().device, TypeError, r"state must be a CanaryState .*got CanaryDeviceState"  # fmt: skip
+    yield "none", None, TypeError, r"state must be a CanaryState \(from KvCanary.init_state\); got NoneType"
+
+
+@pytest.mark.parametrize(("state", "error", "pattern"), [c[1:] for c in _other_states()],
+                         ids=[c[0] for c in _other_states()])  # fmt: skip
+def test_a_state_of_another_canary_is_refused(state, error, pattern):
+    canary = loop("negative").canary
+    with pytest.raises(error, match=pattern):
+        _trace(canary, _host_batch(), state)
+    with pytest.raises(error, match=pattern):
+        canary.mark_init_finished(state)
+    with pytest.raises(error, match=pattern):
+        canary.sweep(state, canary.sweep_plan(kc.SweepEntries.empty(), LUT), kc.KvSources())
+
+
+def test_a_state_without_the_token_pool_the_assert_needs_is_refused():
+    canary = _asserting(enable_verify_token_assert=True)
+    state = _asserting().init_state()
+    with pytest.raises(ValueError, match=r"state's expected-token pool is None, but this canary needs \(4, 12\)"):
+        canary.mark_init_finished(state)
+
+
 def test_sources_are_checked_by_field_name():
     lp = loop("negative")
     canary, (kv, state) = lp.canary, lp.init()
