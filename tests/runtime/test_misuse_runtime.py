@@ -8,6 +8,8 @@ stays silent while an injected fault is still found at its slot.
 """
 
 import dataclasses
+import logging
+import re
 
 import jax
 import jax.numpy as jnp
@@ -398,6 +400,40 @@ def test_a_correct_sweep_is_silent_and_finds_an_idle_fault():
 
 
 # ------------------------------------------------------------------------------------------------------ the monitor
+
+
+def test_monitor_names_what_it_is_given(caplog):
+    lp = loop("none")
+    canary = lp.canary
+    with pytest.raises(TypeError, match=r"canary must be a KvCanary; got KvSources"):
+        kc.CanaryMonitor(kc.KvSources())
+    with pytest.raises(TypeError, match=r"log must be a logging.Logger or LoggerAdapter \(or None\); got log='x'"):
+        kc.CanaryMonitor(canary, log="x")
+    monitor = kc.CanaryMonitor(canary, log=logging.getLogger("misuse"))
+    state = canary.init_state()
+    for bad, error, pattern in [
+        (None, TypeError, r"state must be a CanaryState \(the state the step returned\); got NoneType"),
+        (state.device, TypeError, r"got CanaryDeviceState"),
+        (loop("negative").canary.init_state().violation_log, TypeError, r"got ViolationLog"),
+        (kc.KvCanary(kc.CanaryConfig(ring_capacity=8), canary.pool).init_state(), ValueError,
+         r"state's ring holds 8 rows but config.ring_capacity=64"),
+    ]:  # fmt: skip
+        with pytest.raises(error, match=pattern):
+            monitor.after_step(bad)
+        with pytest.raises(error, match=pattern):
+            monitor.final_check(bad)
+    for step in ("3", 3.0, jnp.int32(3)):
+        with pytest.raises(TypeError, match=re.escape(f"step must be an int; got step={step!r}")):
+            monitor.after_step(state, step=step)
+    assert monitor.step == 0  # refused calls count no step
+
+    # The same monitor with the right state: a step's INVALID_INPUT row is reported with the user's step number.
+    bad = pack_padded([Request(1, 0, 2, (3, 99))], "none")
+    monitor.after_step(lp.run(bad)[1], step=np.int64(41))
+    with caplog.at_level(logging.WARNING, logger="misuse"):
+        report = monitor.final_check(lp.run(bad)[1])
+    assert report.write_index == 1 and monitor.observed[0].user_step == 41
+    assert "input: out_cache_loc[1] (request row 1, position 1) = 99 is out of range (limit 32)" in caplog.text
 
 
 # ------------------------------------------------------------------------------------- run time: values in the step
