@@ -244,16 +244,22 @@ class KvCanary:
             keeps only resident slots.
 
         Raises:
-          ValueError: for more entries than a group has slots, or a missing table.
+          TypeError, ValueError: for entries or a table that are not integer arrays of the documented shapes, a
+            slot, position or predecessor out of range (naming the entry), more entries than a group has slots, or
+            a missing table.
         """
         full, *rest = self.groups
+        full_plan = _sweep.pack_entries(entries, full.num_slots, what="FULL sweep")  # checks the entries first
         swa_plan = None
         if rest:
             if full_to_swa_index_mapping is None:
                 raise ValueError("the pool has an SWA group: sweep_plan needs full_to_swa_index_mapping")
-            swa_entries = _sweep.translate_entries(entries, full_to_swa_index_mapping)
+            lut = _sweep.check_table(
+                full_to_swa_index_mapping, entries, num_slots=full.num_slots, swa_num_slots=rest[0].num_slots
+            )
+            swa_entries = _sweep.translate_entries(entries, lut)
             swa_plan = _sweep.pack_entries(swa_entries, rest[0].num_slots, what="SWA sweep")
-        return _sweep.SweepPlan(full=_sweep.pack_entries(entries, full.num_slots, what="FULL sweep"), swa=swa_plan)
+        return _sweep.SweepPlan(full=full_plan, swa=swa_plan)
 
     def sweep(self, state: CanaryState, plan: _sweep.SweepPlan, kv_cache_sources: _pool.KvSources) -> CanaryState:
         """SWEEP launches: verify every prefix-cached slot against the TAIL buffers, with real KV.

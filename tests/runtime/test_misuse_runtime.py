@@ -382,6 +382,37 @@ def _entries(slots=(3, 4), positions=(0, 1), prev=(-1, 3)):
     return kc.SweepEntries(*(np.asarray(x, np.int32) for x in (slots, positions, prev)))
 
 
+@pytest.mark.parametrize(
+    ("entries", "lut", "error", "pattern"),
+    [
+        ((np.array([3]), np.array([0]), np.array([-1])), LUT, TypeError,
+         r"FULL sweep: entries must be SweepEntries \(e.g. from walk_prefix_tree\); got tuple"),
+        (_entries(slots=(3, 99)), LUT, ValueError,
+         rf"FULL sweep: SweepEntries.slots\[1\] = 99 is out of range \(slots are 1..{NUM_SLOTS - 1}"),
+        (_entries(slots=(-3, 4)), LUT, ValueError, r"SweepEntries.slots\[0\] = -3 is out of range"),
+        (_entries(slots=(0, 4)), LUT, ValueError, r"SweepEntries.slots\[0\] = 0 .*slot 0 is the reserved padding slot"),
+        (_entries(positions=(0, -1)), LUT, ValueError, r"SweepEntries.positions\[1\] = -1 is out of range"),
+        (_entries(prev=(-1, 40)), LUT, ValueError, r"SweepEntries.prev_slots\[1\] = 40 is out of range"),
+        (_entries(prev=(-2, 3)), LUT, ValueError, r"SweepEntries.prev_slots\[0\] = -2"),
+        (_entries()._replace(positions=np.zeros(3, np.int32)), LUT, ValueError,
+         r"SweepEntries fields must have one length; got slots=2, positions=3"),
+        (_entries()._replace(slots=np.array([3.0, 4.0])), LUT, TypeError,
+         r"FULL sweep: SweepEntries.slots must hold integers; got dtype float64"),
+        (_entries()._replace(slots=np.array([[3, 4]])), LUT, ValueError,
+         r"SweepEntries.slots must have 1 dimension; got shape \(1, 2\)"),
+        (_entries(), None, ValueError, r"the pool has an SWA group: sweep_plan needs full_to_swa_index_mapping"),
+        (_entries(), LUT[:4], ValueError, r"full_to_swa_index_mapping must map every full-pool slot .*shape \(4,\)"),
+        (_entries(), LUT.astype(np.float32), TypeError, r"full_to_swa_index_mapping must hold integers"),
+        (_entries(), np.where(np.arange(33) == 4, 99, LUT), ValueError,
+         rf"full_to_swa_index_mapping must map into the SWA pool \[0, {SWA_SLOTS}\); got .*\[4\]=99"),
+        (_entries(), np.where(np.arange(33) == 3, -1, LUT), ValueError, r"full_to_swa_index_mapping\[3\]=-1"),
+    ],
+)  # fmt: skip
+def test_sweep_plan_names_every_bad_entry(entries, lut, error, pattern):
+    with pytest.raises(error, match=pattern):
+        loop("negative").canary.sweep_plan(entries, lut)
+
+
 def test_a_correct_sweep_is_silent_and_finds_an_idle_fault():
     lp = loop("negative")
     req = Request(1, 3, 0, (5, 6, 7))
