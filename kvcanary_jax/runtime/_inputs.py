@@ -4,7 +4,10 @@ JAX clamps out-of-range gathers and drops out-of-range scatters without a word, 
 differ from the canary's would go unchecked, or report rows that name nothing. Before the launches, every value
 they index with is checked against the pool, the table and the token arrays. A bad value is reported once per step,
 as a row naming the field, the batch entry and the value, and is masked out of the launches: its row (request) is
-not verified or written, its slot is skipped, so it adds no rows of its own. Padding is never a violation.
+not verified or written, its slot is skipped, so it adds no rows of its own. A request with a bad new slot writes
+nothing (a partial write would trip the chain-position assert), one whose seed slot is bad starts a new chain, and
+rows after one whose token span cannot be located (a negative length, or past the token arrays) are skipped with
+it. Padding is never a violation.
 
 An ``INVALID_INPUT`` row keeps SGLang's eight fields: ``launch_tag`` is the group's HEAD K tag, ``slot_idx`` the slot
 involved (-1 if none), ``position`` the request position (-1 if none), ``stored_token`` the value received,
@@ -111,32 +114,34 @@ def check_rows(batch, *, padding: str, table_rows: int, context_len: int, token_
     span_lens = jnp.maximum(extend, 0)
     span_ends = prefix.inclusive_sum(span_lens)
     token_rows = _token_rows(span_ends, num_tokens)
-    if padding == "negative":
-        padding_row, reserved_in_use = rpi < 0, jnp.zeros_like(rpi, bool)
-    elif padding == "reserved":
+    no_rows = jnp.zeros_like(rpi, bool)
+    padding_row = {"negative": rpi < 0, "reserved": rpi == 0}.get(padding, no_rows)
+    lower = 1 if padding == "reserved" else 0
+    # A row whose span is unknown (negative) or runs past the token arrays: the spans after it cannot be located
+    # either. They are skipped with it, and only it is reported (one bad value, one row).
+    bad_span = ~padding_row & ((extend < 0) | (span_ends > num_tokens))
+    after_bad_span = prefix.inclusive_sum(bad_span.astype(jnp.int32)) - bad_span > 0
+    reserved_in_use = no_rows
+    if padding == "reserved":
         # A padding row may own tokens that write the padding slot (CUDA-graph padding); a request in row 0 has a
-        # cached prefix or writes a real slot.
+        # cached prefix or writes a real slot (known only where the row's span can be located).
         writes_real_slot = _segment_any(
             (batch.out_cache_loc > _RESERVED_SLOT) & (token_rows >= 0), token_rows, rpi.shape[0]
         )
-        padding_row = rpi == 0
-        reserved_in_use = padding_row & ((cached > 0) | writes_real_slot)
-    else:
-        padding_row, reserved_in_use = jnp.zeros_like(rpi, bool), jnp.zeros_like(rpi, bool)
-    lower = 1 if padding == "reserved" else 0
+        reserved_in_use = padding_row & ((cached > 0) | (writes_real_slot & ~after_bad_span))
     checks = [  # (problem where bad, field, value, limit); the first bad one names the row
         (reserved_in_use, InputProblem.RESERVED_ROW, InputField.REQ_POOL_INDICES, rpi, -1),
         (~padding_row & ((rpi < lower) | (rpi >= table_rows)), InputProblem.OUT_OF_RANGE, InputField.REQ_POOL_INDICES, rpi, table_rows),
         (~padding_row & (cached < 0), InputProblem.NEGATIVE, InputField.PREFIX_LENS, cached, -1),
         (~padding_row & (extend < 0), InputProblem.NEGATIVE, InputField.EXTEND_LENS, extend, -1),
         (~padding_row & (cached + extend > context_len), InputProblem.PAST_CONTEXT, InputField.EXTEND_LENS, cached + extend, context_len),
-        (~padding_row & (span_ends > num_tokens), InputProblem.PAST_TOKENS, InputField.EXTEND_LENS, span_ends, num_tokens),
+        (~padding_row & (span_ends > num_tokens) & ~after_bad_span, InputProblem.PAST_TOKENS, InputField.EXTEND_LENS, span_ends, num_tokens),
     ]  # fmt: skip
     problem, field, value, limit = (jnp.zeros_like(rpi) for _ in range(4))
     for bad, p, f, v, lim in reversed(checks):  # reversed: the first listed problem wins
         problem, field = jnp.where(bad, int(p), problem), jnp.where(bad, int(f), field)
         value, limit = jnp.where(bad, v, value), jnp.where(bad, lim, limit)
-    active = ~padding_row & (problem == 0)
+    active = ~padding_row & (problem == 0) & ~after_bad_span
     issues = [Issues.of(problem, field, value, limit=limit, entry=r, request=jnp.where(problem == 0, rpi, -1))]
     if token_ids_width is not None:
         lens = batch.token_ids_lens
@@ -241,8 +246,11 @@ def check_group(
     batch_row = plan_rows.verify_rows
     request = jnp.where(used, rpi[jnp.maximum(batch_row, 0)], -1)
     raw_problem = slot_problems(plan_rows.raw_slots, used, num_slots=full_num_slots)
+    # By position, not by value: a table entry of -1 is a bad slot, not the chain-head marker of position 0.
     raw_prev_bad = (
-        used & (plan_rows.raw_prev != -1) & ((plan_rows.raw_prev < 0) | (plan_rows.raw_prev >= full_num_slots))
+        used
+        & (verify_plan.expected_positions > 0)
+        & ((plan_rows.raw_prev < 0) | (plan_rows.raw_prev >= full_num_slots))
     )
 
     t = jnp.arange(batch.out_cache_loc.shape[0], dtype=jnp.int32)
@@ -253,7 +261,14 @@ def check_group(
     tok_request = jnp.where(tok_live, rpi[jnp.maximum(tok_row, 0)], -1)
     row_of = jnp.maximum(tok_row, 0)
     position = batch.prefix_lens[row_of] + t - rows.span_starts[row_of]
-    full_loc = jnp.where(tok_live & (loc_problem == 0), loc, -1)
+    # A request with a bad new slot is not written at all: skipping only that entry would leave a gap in the
+    # chain that the chain-position assert reports on the entry after it.
+    bs = rpi.shape[0]
+    unwritten = _segment_any(loc_problem != 0, tok_row, bs)
+    full_loc = jnp.where(tok_live & ~unwritten[row_of], loc, -1)
+    seed_live = rows.active & (batch.prefix_lens > 0) & (rows.span_lens > 0)
+    raw_seed = table[jnp.clip(rpi, 0, table.shape[0] - 1), jnp.clip(batch.prefix_lens - 1, 0, table.shape[1] - 1)]
+    seed_bad = slot_problems(raw_seed, seed_live, num_slots=full_num_slots) != 0
 
     if lut is None:
         issues = Issues.concat(
@@ -280,11 +295,20 @@ def check_group(
             ]
         )  # fmt: skip
         skip, unreachable = (raw_problem != 0) | slot_bad, raw_prev_bad | prev_bad
-        out_cache_loc = jnp.where(loc_bad, -1, swa_loc)
+        swa_seed = _plans.translate(raw_seed, lut)
+        seed_bad |= seed_live & ((swa_seed < 0) | (swa_seed >= num_slots))
+        unwritten = _segment_any(loc_bad, tok_row, bs)
+        out_cache_loc = jnp.where(unwritten[row_of], -1, swa_loc)
     verify_plan = dataclasses.replace(
         verify_plan,
         slot_indices=jnp.where(skip, _RESERVED_SLOT, verify_plan.slot_indices),
         prev_slot_indices=jnp.where(unreachable, 0, verify_plan.prev_slot_indices),
+    )
+    # A request whose seed (its last cached slot) is bad starts a new chain: there is no record to continue from
+    # or to compare positions with. (The seed is a cached position, reported by the verify checks above.)
+    seeds = write_plan.seed_slot_indices
+    write_plan = dataclasses.replace(
+        write_plan, seed_slot_indices=seeds.at[:bs].set(jnp.where(seed_bad, -1, seeds[:bs]))
     )
     return Group(
         verify_plan=verify_plan,

@@ -20,6 +20,8 @@ from hypothesis import strategies as st
 
 import kvcanary_jax as kc
 from kvcanary_jax import FailReason, testing
+from kvcanary_jax.core._constants import InputField, InputProblem
+from kvcanary_jax.core._state import u64_pairs_as_int64
 from kvcanary_jax.testing import assert_no_violations, expect_violation
 from tests.runtime.misuse_testlib import (
     BATCH,
@@ -42,7 +44,7 @@ from tests.runtime.misuse_testlib import (
 
 INVALID = FailReason.INVALID_INPUT
 _SETTINGS = settings(
-    max_examples=15, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow], database=None
+    max_examples=25, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow], database=None
 )
 
 # ---------------------------------------------------------------------------------------- pool and canary descriptions
@@ -530,6 +532,139 @@ def test_valid_batches_are_silent_and_faults_are_found_at_their_slot(padding, da
         expect_violation(state, tag="TAIL_K_FULL", reason=FailReason.VERIFY_REAL_KV_HASH_MISMATCH, slot=slot)
 
 
+def _token_entries(requests):
+    """(request index, token entry, position) of every new token."""
+    out, t = [], 0
+    for i, r in enumerate(requests):
+        out += [(i, t + k, r.prefix + k) for k in range(r.extend)]
+        t += r.extend
+    return out
+
+
+_KINDS = ["rpi_past_table", "prefix_negative", "extend_negative", "past_context", "past_tokens", "loc_past_pool",
+          "loc_reserved", "table_out_of_range", "table_reserved"]  # fmt: skip
+_MUTATIONS = (
+    [("negative", kind) for kind in _KINDS + ["lut_out_of_range"]]
+    + [("reserved", kind) for kind in _KINDS + ["rpi_negative", "rpi_reserved_row"]]
+    + [("none", kind) for kind in _KINDS + ["rpi_negative"]]  # a negative row is the "negative" padding marker
+)
+
+
+@st.composite
+def mutations(draw, kind: str, requests):
+    """One bad value of ``kind`` in step B's batch, and what its INVALID_INPUT row must say."""
+    k = draw(st.integers(0, 3))
+    i = draw(st.integers(0, len(requests) - 1))
+    r = requests[i]
+    start = sum(q.extend for q in requests[:i])
+    row = dict(entry=i, request=-1, slot=-1, position=-1, limit=-1)  # a batch-row problem names no request
+    arrays = {}
+    if kind == "rpi_past_table":
+        arrays["req_pool_indices"] = (i, TABLE_ROWS + k)
+        want = dict(row, field="REQ_POOL_INDICES", problem="OUT_OF_RANGE", value=TABLE_ROWS + k, limit=TABLE_ROWS)
+    elif kind == "rpi_negative":
+        arrays["req_pool_indices"] = (i, -1 - k)
+        want = dict(row, field="REQ_POOL_INDICES", problem="OUT_OF_RANGE", value=-1 - k, limit=TABLE_ROWS)
+    elif kind == "rpi_reserved_row":
+        arrays["req_pool_indices"] = (i, 0)
+        want = dict(row, field="REQ_POOL_INDICES", problem="RESERVED_ROW", value=0)
+    elif kind == "prefix_negative":
+        arrays["prefix_lens"] = (i, -1 - k)
+        want = dict(row, field="PREFIX_LENS", problem="NEGATIVE", value=-1 - k)
+    elif kind == "extend_negative":
+        arrays["extend_lens"] = (i, -1 - k)
+        want = dict(row, field="EXTEND_LENS", problem="NEGATIVE", value=-1 - k)
+    elif kind == "past_context":
+        extend = CONTEXT - r.prefix + 1 + k
+        arrays["extend_lens"] = (i, extend)
+        want = dict(row, field="EXTEND_LENS", problem="PAST_CONTEXT", value=r.prefix + extend, limit=CONTEXT)
+    elif kind == "past_tokens":
+        extend = TOKENS - start + 1 + min(k, 1)  # prefix + extend stays within CONTEXT
+        arrays["extend_lens"] = (i, extend)
+        want = dict(row, field="EXTEND_LENS", problem="PAST_TOKENS", value=start + extend, limit=TOKENS)
+    elif kind.startswith("loc"):
+        _, t, pos = draw(st.sampled_from([e for e in _token_entries(requests) if e[0] == i]))
+        value = NUM_SLOTS + k if kind == "loc_past_pool" else 0
+        arrays["out_cache_loc"] = (t, value)
+        problem = "OUT_OF_RANGE" if kind == "loc_past_pool" else "RESERVED_SLOT"
+        want = dict(field="OUT_CACHE_LOC", problem=problem, value=value, entry=t, request=r.row, slot=value,
+                    position=pos, limit=NUM_SLOTS)  # fmt: skip
+    elif kind.startswith("table"):
+        i, pos, _ = draw(st.sampled_from(_cached(requests)))
+        r = requests[i]
+        value = draw(st.sampled_from([NUM_SLOTS + k, -1 - k])) if kind == "table_out_of_range" else 0
+        arrays["req_to_token"] = ((r.row, pos), value)
+        problem = "OUT_OF_RANGE" if kind == "table_out_of_range" else "RESERVED_SLOT"
+        want = dict(field="REQ_TO_TOKEN", problem=problem, value=value, entry=i, request=r.row, slot=value,
+                    position=pos, limit=NUM_SLOTS)  # fmt: skip
+    else:  # the SWA table maps a slot the SWA group checks (in the window) or writes past the SWA pool
+        targets = [(i, r.prefix - 1, r.slots[r.prefix - 1], i) for i, r in enumerate(requests) if r.prefix]
+        targets += [(i, pos, requests[i].slots[pos], t) for i, t, pos in _token_entries(requests)]
+        i, pos, slot, entry = draw(st.sampled_from(targets))
+        value = SWA_SLOTS + k
+        arrays["full_to_swa_index_mapping"] = (slot, value)
+        want = dict(field="FULL_TO_SWA_INDEX_MAPPING", problem="OUT_OF_RANGE", value=value, entry=entry,
+                    request=requests[i].row, slot=slot, position=pos, limit=SWA_SLOTS)  # fmt: skip
+    return arrays, want
+
+
+def _mutate(batch, arrays):
+    changes = {}
+    for name, (index, value) in arrays.items():
+        x = np.array(getattr(batch, name))
+        x[index] = value
+        changes[name] = x
+    return dataclasses.replace(batch, **changes)
+
+
+def _input_where(want) -> str:
+    """How the report's ``input:`` line names the value (the wording of ``kvcanary_jax.core._explain``)."""
+    field = want["field"].lower()
+    if field == "req_to_token":
+        return f"req_to_token[{want['request']}, {want['position']}] (batch row {want['entry']})"
+    if field in ("out_cache_loc", "full_to_swa_index_mapping"):
+        index = want["entry"] if field == "out_cache_loc" else want["slot"]
+        return f"{field}[{index}] (request row {want['request']}, position {want['position']})"
+    return f"{field}[{want['entry']}]"
+
+
+@pytest.mark.parametrize(("padding", "kind"), _MUTATIONS)
+@settings(_SETTINGS, max_examples=10)
+@given(data=st.data())
+def test_one_bad_value_gives_one_row_naming_it(padding, kind, data):
+    """With the chain-position assert on, so that a request left half-written would be noticed too."""
+    lp = loop(padding)
+    requests, pad = data.draw(scenarios(padding))
+    arrays, want = data.draw(mutations(kind, requests))
+    step_a, step_b = _steps(requests, pad)
+    state = lp.run(step_a, _mutate(step_b, arrays))[1]
+    report = kc.read_violations(state.violation_log)
+    assert report.write_index == 1, "\n".join(report.format())
+    group = "SWA" if want["field"] == "FULL_TO_SWA_INDEX_MAPPING" else "FULL"  # the group's HEAD K launch
+    v = expect_violation(report, tag=f"HEAD_K_{group}", reason=INVALID)
+    assert v.fail_reason == INVALID
+    assert v.reason_detail == InputField[want["field"]] | InputProblem[want["problem"]] << 8
+    got = dict(value=v.stored_token, limit=v.expected_token, entry=v.stored_chain_hash, request=v.expected_aux,
+               slot=v.slot_idx, position=v.position)  # fmt: skip
+    assert got == {key: want[key] for key in got}
+    message = kc.format_violation(v, total=1, overflowed=False)
+    assert f"  input: {_input_where(want)} = {want['value']} " in message
+
+
+@pytest.mark.parametrize("padding", PADDINGS)
+def test_a_bad_value_every_step_gives_one_row_every_step(padding):
+    """A table entry that stays bad: reported again at each step, and nothing else (no storm from what it masks)."""
+    lp = loop(padding)
+    first = Request(1, 2, 1, (3, 4, 5, 6, 7))
+    steps = [pack_padded(prefill([first]), padding)]
+    for prefix in (2, 3, 4):  # decode steps; position 1 of the request maps to slot 99 from step 1 on
+        batch = pack_padded([dataclasses.replace(first, prefix=prefix)], padding)
+        steps.append(dataclasses.replace(batch, req_to_token=testing.remap_slot(batch.req_to_token, 1, 1, 99)))
+    state = lp.run(*steps)[1]
+    report = kc.read_violations(state.violation_log)
+    assert [(v.fail_reason, v.slot_idx, v.position) for v in report.violations] == [(INVALID, 99, 1)] * 3
+
+
 def test_request_row_zero_is_a_request_unless_reserved():
     """The issue's first trap: a request in table row 0 must be checked (or refused), never skipped."""
     request = Request(0, 2, 1, (3, 4, 5))
@@ -544,6 +679,20 @@ def test_request_row_zero_is_a_request_unless_reserved():
     v = expect_violation(state, tag="HEAD_K_FULL", reason=INVALID)
     assert kc.read_violations(state.violation_log).write_index == 1
     assert "input: req_pool_indices[0] = 0 is the reserved padding row 0" in kc.format_violation(v, total=1, overflowed=False)  # fmt: skip
+
+
+def test_a_dropped_slot_is_not_counted_as_written():
+    """The issue's third trap: an out_cache_loc past the pool was dropped while the slot counter counted it."""
+    lp = loop("none")
+    requests = [Request(1, 0, 2, (3, 4)), Request(2, 0, 2, (5, 6)), Request(3, 0, 1, (7,))]
+    batch = pack(requests)
+    state = lp.run(_mutate(batch, {"out_cache_loc": (1, NUM_SLOTS)}))[1]
+    slots = u64_pairs_as_int64(state.device.slot_run_counters)
+    tag = kc.CanaryLaunchTag
+    assert slots[tag.HEAD_K_FULL] == slots[tag.TAIL_K_FULL] == 3  # rows 1 and 2 written; row 0 not at all
+    records = kc.records_as_int64(state.full.k_tail)
+    assert records[[3, 4], 0].tolist() == [0, 0] and records[[5, 6, 7], 0].tolist() == [300, 301, 400]
+    assert [v.slot_idx for v in kc.read_violations(state.violation_log).violations] == [NUM_SLOTS]
 
 
 def test_window_and_table_sizes_of_the_loops():
