@@ -198,13 +198,13 @@ def as_sources(name: str, value, page_size: int, num_slots: int) -> tuple[RealKv
         if isinstance(item, RealKvSource):
             out.append(item)
         elif hasattr(item, "shape") and hasattr(item, "dtype"):
-            out.append(RealKvSource(_paged_kv(arg, item, page_size, num_slots), page_size=page_size))
+            out.append(RealKvSource(check_paged_kv(arg, item, page_size, num_slots), page_size=page_size))
         else:
             raise TypeError(f"{arg} must be a KV array or a RealKvSource; got {type(item).__name__}")
     return realkv.validate_sources(tuple(out), num_slots=num_slots, arg=name)
 
 
-def _paged_kv(arg: str, kv, page_size: int, num_slots: int):
+def check_paged_kv(arg: str, kv, page_size: int, num_slots: int):
     """``kv`` as a jax array, checked to be laid out ``[pages, page_size, ...]`` and to cover ``num_slots``."""
     check_kv_dtype(kv.dtype, arg)
     shape = tuple(kv.shape)

@@ -6,6 +6,7 @@ Next to each misuse, the correct call injects its fault where asked, and the can
 import dataclasses
 import re
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -53,6 +54,55 @@ def test_assertions_name_what_they_cannot_read(x):
 _PAGED = r"kv must be a paged KV array laid out \[pages, page_size={}, \.\.\.\]"
 
 
+@pytest.mark.parametrize(
+    ("args", "kwargs", "error", "pattern"),
+    [
+        ((KV, 16), dict(page_size=4), ValueError, r"slot must be in \[0, 16\) \(pages \* page_size of kv\); got slot=16"),
+        ((KV, -1), dict(page_size=4), ValueError, r"got slot=-1"),  # would flip the last page's byte
+        ((KV, np.int64(99)), dict(page_size=4), ValueError, r"got slot=99"),
+        ((KV, jnp.int32(99)), dict(page_size=4), ValueError, r"got slot=99"),
+        ((KV, 5.0), dict(page_size=4), TypeError, r"slot must be an integer scalar; got slot=5.0"),
+        ((KV, jnp.array([5, 6])), dict(page_size=4), TypeError, r"slot must be an integer scalar; got slot of shape \(2,\)"),
+        # A page size that does not match the array, and a head-major [pages, heads, page_size, dim] layout.
+        ((KV, 5), dict(page_size=8), ValueError, _PAGED.format(8) + r".*got shape \(4, 4, 2, 8\)"),
+        ((KV, 5), dict(page_size=2), ValueError, _PAGED.format(2)),
+        ((KV.transpose(0, 2, 1, 3), 5), dict(page_size=4), ValueError, r"The page_size \(4\) is a later axis"),
+        ((KV, 5), dict(page_size=0), ValueError, r"page_size must be a positive static int; got page_size=0"),
+        ((KV, 5), dict(page_size=4.0), ValueError, r"page_size=4.0"),
+        ((KV.astype(bool), 5), dict(page_size=4), TypeError, r"kv must have a 1/2/4/8-byte integer or float dtype .*bool"),
+        (([[0] * 16] * 4, 5), dict(page_size=4), TypeError, r"kv must be an array; got list"),
+        ((KV, 5), dict(page_size=4, byte=32), ValueError, r"byte must be an int in \[0, 32\) \(bytes per token\); got byte=32"),
+        ((KV, 5), dict(page_size=4, byte=1.0), ValueError, r"got byte=1.0"),
+    ],
+)  # fmt: skip
+def test_flip_kv_byte_names_every_bad_argument(args, kwargs, error, pattern):
+    with pytest.raises(error, match=pattern):
+        testing.flip_kv_byte(*args, **kwargs)
+
+
+def test_flip_kv_byte_takes_numpy_and_traced_arguments():
+    want = testing.flip_kv_byte(KV, 13, page_size=4, byte=3)
+    assert _changed(KV, want) == [[3, 1, 3]]  # slot 13 = page 3, row 1
+    host = testing.flip_kv_byte(np.asarray(KV), np.int64(13), page_size=np.int64(4), byte=np.int32(3))
+    np.testing.assert_array_equal(host, want)
+    traced = jax.jit(lambda kv, slot: testing.flip_kv_byte(kv, slot, page_size=4, byte=3))(KV, jnp.int32(13))
+    np.testing.assert_array_equal(traced, want)
+
+
+@pytest.mark.parametrize(
+    ("page", "page_size", "error", "pattern"),
+    [
+        (4, 4, ValueError, r"page must be in \[0, 4\) \(pages of kv\); got page=4"),
+        (-1, 4, ValueError, r"got page=-1"),
+        (1, 8, ValueError, _PAGED.format(8)),
+        (1.0, 4, TypeError, r"page must be an integer scalar; got page=1.0"),
+    ],
+)
+def test_corrupt_page_names_every_bad_argument(page, page_size, error, pattern):
+    with pytest.raises(error, match=pattern):
+        testing.corrupt_page(KV, page, page_size=page_size)
+
+
 def test_corrupt_page_flips_the_page_asked_for():
     assert _changed(KV, testing.corrupt_page(KV, np.int32(2), page_size=4, byte=5)) == [[2, r, 5] for r in range(4)]
 
@@ -60,9 +110,46 @@ def test_corrupt_page_flips_the_page_asked_for():
 _TABLE = jnp.arange(4 * 8, dtype=jnp.int32).reshape(4, 8)
 
 
+@pytest.mark.parametrize(
+    ("args", "error", "pattern"),
+    [
+        ((_TABLE, 4, 0, 5), ValueError, r"pool_row must be in \[0, 4\) \(rows of req_to_token\); got pool_row=4"),
+        ((_TABLE, 1, -1, 5), ValueError, r"position must be in \[0, 8\) \(columns of req_to_token\); got position=-1"),
+        ((_TABLE, 1, 8, 5), ValueError, r"got position=8"),
+        ((_TABLE, 1, 2.0, 5), TypeError, r"position must be an integer scalar; got position=2.0"),
+        ((_TABLE, 1, 2, 5.5), TypeError, r"new_slot must be an integer; got new_slot=5.5"),
+        ((_TABLE[1], 1, 2, 5), ValueError, r"req_to_token must have 2 dimension\(s\); got req_to_token.shape=\(8,\)"),
+        ((_TABLE.astype(jnp.float32), 1, 2, 5), TypeError, r"req_to_token must be an integer array; got .*float32"),
+    ],
+)  # fmt: skip
+def test_remap_slot_names_every_bad_argument(args, error, pattern):
+    with pytest.raises(error, match=pattern):
+        testing.remap_slot(*args)
+
+
 def test_remap_slot_takes_numpy_and_may_point_anywhere():
     remapped = testing.remap_slot(np.asarray(_TABLE), np.int64(1), np.int32(2), np.int64(-7))
     assert np.argwhere(np.asarray(remapped) != np.asarray(_TABLE)).tolist() == [[1, 2]] and remapped[1, 2] == -7
+
+
+@pytest.mark.parametrize(
+    ("args", "error", "pattern"),
+    [
+        ((0, 4), ValueError, r"j must be in \[0, 4\) \(token entries of input_ids\); got j=4"),
+        ((-1, 0), ValueError, r"i must be in \[0, 4\).*got i=-1"),
+        ((2, 2), ValueError, r"i and j must be two different token entries; got i=j=2"),
+        ((0, 1.0), TypeError, r"j must be an integer scalar; got j=1.0"),
+    ],
+)
+def test_swap_tokens_names_every_bad_argument(args, error, pattern):
+    with pytest.raises(error, match=pattern):
+        testing.swap_tokens(jnp.arange(4, dtype=jnp.int32), *args)
+
+
+def test_swap_tokens_refuses_a_table():
+    with pytest.raises(ValueError, match=r"input_ids must have 1 dimension\(s\); got input_ids.shape=\(2, 2\)"):
+        testing.swap_tokens(jnp.arange(4, dtype=jnp.int32).reshape(2, 2), 0, 1)
+    assert testing.swap_tokens(np.arange(4, dtype=np.int32), np.int64(0), 3).tolist() == [3, 1, 2, 0]
 
 
 def test_injected_faults_are_found_where_they_were_injected():
