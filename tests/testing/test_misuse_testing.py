@@ -49,6 +49,40 @@ def test_assertions_name_what_they_cannot_read(x):
         expect_violation(x)
 
 
+@pytest.mark.parametrize(
+    ("kwargs", "error", "pattern"),
+    [
+        (dict(tag="bogus"), ValueError, r"tag must be a CanaryLaunchTag or one of its names; got tag='bogus'"),
+        (dict(tag=99), ValueError, r"tag must be a CanaryLaunchTag, one of its names or values; got tag=99"),
+        (dict(tag=-1), ValueError, r"got tag=-1"),
+        (dict(tag=2.0), ValueError, r"got tag=2.0"),
+        (dict(reason=128), TypeError, r"reason must be a FailReason; got reason=128"),
+        (dict(reason="invalid_input"), TypeError, r"got reason='invalid_input'"),
+        (dict(slot="99"), TypeError, r"slot must be an int \(a row's slot_idx\); got slot='99'"),
+        (dict(slot=99.0), TypeError, r"got slot=99.0"),
+    ],
+)  # fmt: skip
+def test_expect_violation_names_a_filter_that_could_never_match(bad_slot_state, kwargs, error, pattern):
+    with pytest.raises(error, match=pattern):
+        expect_violation(bad_slot_state, **kwargs)
+
+
+def test_assertions_report_a_bad_value_by_name(bad_slot_state):
+    v = expect_violation(bad_slot_state, tag=np.int64(0), reason=FailReason.INVALID_INPUT, slot=np.int64(99))
+    assert v == expect_violation(bad_slot_state, tag="HEAD_K_FULL", slot=99)
+    assert (v.position, v.stored_token, v.expected_aux) == (2, 99, 1)  # position 2 of request row 1
+    with pytest.raises(AssertionError, match=r"no violation with slot=3; recorded 1 row\(s\):\n  HEAD_K_FULL invalid"):
+        expect_violation(bad_slot_state, slot=3)
+    with pytest.raises(AssertionError) as raised:
+        assert_no_violations(bad_slot_state, step=np.int64(2))
+    message = str(raised.value)
+    assert "kv_canary violation: launch_tag=HEAD_K_FULL fail_reason=invalid_input slot_idx=99 position=2" in message
+    assert "input: out_cache_loc[0] (request row 1, position 2) = 99 is out of range (limit 64)" in message
+    assert "step_when_pumped=2" in message
+    with pytest.raises(TypeError, match=r"step must be an int; got step='2'"):
+        assert_no_violations(bad_slot_state, step="2")
+
+
 # --------------------------------------------------------------------------------------------------------- injectors
 
 _PAGED = r"kv must be a paged KV array laid out \[pages, page_size={}, \.\.\.\]"
@@ -171,6 +205,19 @@ def test_injected_faults_are_found_where_they_were_injected():
 
 
 # ------------------------------------------------------------------------------------------------------------- guard
+
+
+def test_guard_names_what_it_cannot_watch(bad_slot_state):
+    guard = CanaryGuard()
+    with pytest.raises(TypeError, match=r"step must be callable \(the jitted step\); got int"):
+        guard.wrap(3)
+    with pytest.raises(TypeError, match=r"key must be an int \(one per canary of the test\); got key=\[1\]"):
+        guard.watch(bad_slot_state, key=[1])
+    with pytest.raises(TypeError, match=r"state must be a CanaryState or CanaryDeviceState; got ViolationLog"):
+        guard.watch(bad_slot_state.violation_log)
+    assert guard.watch(bad_slot_state, key=np.int64(1)) is bad_slot_state
+    with pytest.raises(AssertionError, match=re.escape("fail_reason=invalid_input slot_idx=99")):
+        guard.check()
 
 
 def test_a_wrapped_step_is_watched():
