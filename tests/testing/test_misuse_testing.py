@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import kvcanary_jax as kc
-from kvcanary_jax import FailReason, testing
+from kvcanary_jax import CanaryBatch, FailReason, testing
 from kvcanary_jax.testing import CanaryGuard, assert_no_violations, expect_violation
 from tests.testing import tiny_loop
 
@@ -233,3 +233,23 @@ def test_a_wrapped_step_is_watched():
 
 
 # ----------------------------------------------------------------------------------------------------------- targets
+
+
+def test_target_pickers_skip_padding_rows_of_every_convention():
+    """Negative padding rows (the default convention) may carry garbage lengths; they hold no targets."""
+    table = np.zeros((4, 8), np.int32)
+    table[1, :3] = [11, 12, 13]
+    table[3, :8] = np.arange(30, 38)  # the last row: what a negative row index would read
+    batch = CanaryBatch(
+        req_pool_indices=np.array([1, -1, 0], np.int32),
+        prefix_lens=np.array([2, 6, 0], np.int32),
+        extend_lens=np.array([1, 2, 0], np.int32),
+        req_to_token=table,
+        input_ids=np.array([7, 8, 9, 0], np.int32),
+        positions=np.array([2, 0, 0, 0], np.int32),
+        out_cache_loc=np.array([13, -1, -1, -1], np.int32),
+    )
+    assert testing.cached_entries(batch).tolist() == [[0, 0, 11], [0, 1, 12]]
+    rng = np.random.default_rng(0)
+    assert {testing.choose_live_slot(batch, rng) for _ in range(10)} == {11, 12}
+    assert testing.choose_token_swap(batch, rng) is None  # one request: nothing to cross
