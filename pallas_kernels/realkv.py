@@ -44,7 +44,7 @@ class RealKvSource:
         row_bytes = _row_bytes(self.data)
         for name in _META_FIELDS:
             value = getattr(self, name)
-            if value is not None and not checks.is_int(value):
+            if (value is not None or name == "page_size") and not checks.is_int(value):
                 raise TypeError(f"RealKvSource.{name} must be an int; got {name}={value!r}")
             object.__setattr__(self, name, None if value is None else int(value))
         if self.page_size < 1:

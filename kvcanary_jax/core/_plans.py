@@ -62,6 +62,13 @@ def translate(slots: jax.Array, lut: jax.Array | None) -> jax.Array:
     return jnp.where(slots < 0, slots, lut[jnp.minimum(slots, lut.shape[0] - 1)])
 
 
+def _non_empty(name: str, x) -> None:
+    """The plans gather from these tables (clamping indices into them), so each axis needs an entry."""
+    if 0 in x.shape:
+        what = "at least one entry" if len(x.shape) == 1 else "at least one row and one column"
+        raise ValueError(f"{name} needs {what}; got {name}.shape={tuple(x.shape)}")
+
+
 def _validate(
     req_pool_indices,
     prefix_lens,
@@ -80,6 +87,7 @@ def _validate(
         checks.array(name, x, dtype=jnp.int32, ndim=1)
     bs = checks.same_length(batch)
     checks.array("req_to_token", req_to_token, dtype=jnp.int32, ndim=2)
+    _non_empty("req_to_token", req_to_token)
     checks.positive_int("verify_capacity", verify_capacity)
     checks.positive_int("write_req_capacity", write_req_capacity)
     checks.static_int("swa_window_size", swa_window_size)
@@ -92,6 +100,7 @@ def _validate(
         raise ValueError(f"swa_window_size={swa_window_size} needs full_to_swa_index_mapping (the full->SWA LUT)")
     if lut is not None:
         checks.array("full_to_swa_index_mapping", lut, dtype=jnp.int32, ndim=1)
+        _non_empty("full_to_swa_index_mapping", lut)
     if (pool is None) != (valid_lens is None):
         raise ValueError(
             "req_to_verify_expected_tokens and expected_tokens_valid_lens go together; got "
@@ -100,6 +109,7 @@ def _validate(
         )
     if pool is not None:
         checks.array("req_to_verify_expected_tokens", pool, dtype=jnp.int32, ndim=2)
+        _non_empty("req_to_verify_expected_tokens", pool)
         checks.array("expected_tokens_valid_lens", valid_lens, dtype=jnp.int32, shape=(bs,))
     return bs
 

@@ -10,6 +10,7 @@ from kvcanary_jax.core import _constants as constants
 from kvcanary_jax.core import _explain
 from kvcanary_jax.core._constants import CanaryLaunchTag, FailReason
 from kvcanary_jax.core._state import ViolationLog, u64_pairs_as_int64
+from pallas_kernels import checks
 
 _U64_MASK = (1 << 64) - 1
 _WRITE_BITS = FailReason.WRITE_TOKEN_MISMATCH | FailReason.WRITE_POSITION_MISMATCH
@@ -106,6 +107,7 @@ def read_violations(violation_log: ViolationLog) -> ViolationReport:
     """
     if not isinstance(violation_log, ViolationLog):
         raise TypeError(f"violation_log must be a ViolationLog; got {type(violation_log).__name__}")
+    _check_log(violation_log)
     write_index = int(np.asarray(violation_log.violation_write_index).reshape(-1)[0])
     capacity = violation_log.ring_capacity
     valid = max(0, min(write_index, capacity))
@@ -127,6 +129,15 @@ def read_violations(violation_log: ViolationLog) -> ViolationReport:
     )
 
 
+def _check_log(log: ViolationLog) -> None:
+    """The log's arrays (numpy or jax) have the layout ``ViolationLog.allocate`` gives them."""
+    checks.array("violation_ring", log.violation_ring, dtype=np.uint32, shape=(None, constants.VIOLATION_FIELDS, 2))
+    checks.array("violation_write_index", log.violation_write_index, dtype=np.int32, shape=(1,))
+    if log.violation_context is not None:
+        shape = (log.violation_ring.shape[0], constants.CONTEXT_FIELDS)
+        checks.array("violation_context", log.violation_context, dtype=np.int32, shape=shape)
+
+
 def _hex(x: int) -> str:
     return f"{x & _U64_MASK:#018x}"
 
@@ -140,6 +151,8 @@ def format_violation(
     ``expected_token=-1`` included); ``step`` is the step at which the host read the row (SGLang's
     ``step_when_pumped``), ``written_step`` the step whose launches wrote it.
     """
+    if not isinstance(violation, Violation):
+        raise TypeError(f"violation must be a Violation (from read_violations); got {type(violation).__name__}")
     v = violation
     label = v.tag_label
     kind = (

@@ -135,5 +135,18 @@ def u64_pairs_as_int64(pairs) -> np.ndarray:
 
 
 def records_as_int64(canary_buf) -> np.ndarray:
-    """Host view of a canary buffer as ``int64[num_slots, 4]``: TOKEN, POSITION, PREV_HASH, REAL_KV_HASH."""
+    """Host view of a canary buffer as ``int64[num_slots, 4]``: TOKEN, POSITION, PREV_HASH, REAL_KV_HASH.
+
+    Per-device buffers keep their leading mesh axes: ``u32[*mesh, num_slots, 4, 2]`` gives ``int64[*mesh, num_slots, 4]``;
+    other u64 pairs (e.g. counters ``u32[num_tags, 2]``) read alike.
+
+    Raises:
+      TypeError, ValueError: if ``canary_buf`` is not a uint32 array of (lo, hi) pairs (numpy or jax).
+    """
+    checks.array("canary_buf", canary_buf, dtype=jnp.uint32)
+    shape = tuple(canary_buf.shape)
+    if len(shape) < 2 or shape[-1] != 2:  # any (lo, hi) pairs read alike, e.g. counters u32[num_tags, 2]
+        raise ValueError(
+            f"canary_buf must have shape (..., num_slots, 4, 2): (lo, hi) pairs; got canary_buf.shape={shape}"
+        )
     return u64_pairs_as_int64(canary_buf)

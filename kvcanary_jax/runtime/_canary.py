@@ -33,8 +33,21 @@ from kvcanary_jax.core._constants import CanaryLaunchTag, Half, Phase, RealKvHas
 from kvcanary_jax.core._state import CanaryDeviceState, allocate_canary_buffer
 from kvcanary_jax.runtime import _inputs, _pool, _sweep
 from kvcanary_jax.runtime._batch import CanaryBatch, CanaryState
-from pallas_kernels import checks
+from pallas_kernels import checks, realkv
 from pallas_kernels.phase import api as phase_api
+
+_REQUIRED_FIELDS = (
+    "req_pool_indices", "prefix_lens", "extend_lens", "req_to_token", "input_ids", "positions", "out_cache_loc",
+)  # fmt: skip
+
+
+def _phase(value) -> Phase:
+    """A Phase from a member, its value or its (case-insensitive) name."""
+    if isinstance(value, str) and value.strip().upper() in Phase.__members__:
+        return Phase[value.strip().upper()]
+    if checks.is_int(value) and int(value) in Phase._value2member_map_:
+        return Phase(int(value))
+    raise ValueError(f"phases must hold Phase members or their names {list(Phase.__members__)}; got {value!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,11 +91,14 @@ class KvCanary:
     def launch_tags(self, phases: tuple[Phase | str, ...] = tuple(Phase)) -> tuple[CanaryLaunchTag, ...]:
         """Tags this canary launches in ``phases`` (SWEEP only when ``sweep_interval > 0``); empty when off.
 
-        Phases are :class:`Phase` members or their names (``"HEAD"``, ``"TAIL"``, ``"SWEEP"``).
+        Phases are :class:`Phase` members or their names (``"HEAD"``, ``"TAIL"``, ``"SWEEP"``, any case); a single
+        phase may be given alone.
         """
         if not self.enabled:
             return ()
-        phases = tuple(Phase[p] if isinstance(p, str) else Phase(p) for p in phases)
+        if isinstance(phases, (str, Phase)) or checks.is_int(phases):
+            phases = (phases,)
+        phases = tuple(_phase(p) for p in phases)
         phases = tuple(p for p in phases if p is not Phase.SWEEP or self.config.sweep_interval > 0)
         return tuple(sorted(g.tag(p, h) for g in self.groups for p in phases for h in self.halves))
 
@@ -155,6 +171,7 @@ class KvCanary:
 
     def mark_init_finished(self, state: CanaryState) -> CanaryState:
         """Turns on the write-time chain-position assert after warm-up; a device value, so nothing retraces."""
+        self._check_state(state)
         device = dataclasses.replace(state.device, enable_chain_position_assert=jnp.ones((1,), jnp.int32))
         return dataclasses.replace(state, device=device)
 
@@ -230,16 +247,22 @@ class KvCanary:
             keeps only resident slots.
 
         Raises:
-          ValueError: for more entries than a group has slots, or a missing table.
+          TypeError, ValueError: for entries or a table that are not integer arrays of the documented shapes, a
+            slot, position or predecessor out of range (naming the entry), more entries than a group has slots, or
+            a missing table.
         """
         full, *rest = self.groups
+        full_plan = _sweep.pack_entries(entries, full.num_slots, what="FULL sweep")  # checks the entries first
         swa_plan = None
         if rest:
             if full_to_swa_index_mapping is None:
                 raise ValueError("the pool has an SWA group: sweep_plan needs full_to_swa_index_mapping")
-            swa_entries = _sweep.translate_entries(entries, full_to_swa_index_mapping)
+            lut = _sweep.check_table(
+                full_to_swa_index_mapping, entries, num_slots=full.num_slots, swa_num_slots=rest[0].num_slots
+            )
+            swa_entries = _sweep.translate_entries(entries, lut)
             swa_plan = _sweep.pack_entries(swa_entries, rest[0].num_slots, what="SWA sweep")
-        return _sweep.SweepPlan(full=_sweep.pack_entries(entries, full.num_slots, what="FULL sweep"), swa=swa_plan)
+        return _sweep.SweepPlan(full=full_plan, swa=swa_plan)
 
     def sweep(self, state: CanaryState, plan: _sweep.SweepPlan, kv_cache_sources: _pool.KvSources) -> CanaryState:
         """SWEEP launches: verify every prefix-cached slot against the TAIL buffers, with real KV.
@@ -328,7 +351,13 @@ class KvCanary:
             req_to_token=batch.req_to_token,
             input_ids=batch.input_ids,
             positions=batch.positions,
-            out_cache_loc=_inputs.request_slots(batch, rows, full_num_slots=self.pool.num_slots),
+            out_cache_loc=_inputs.request_slots(
+                batch,
+                rows,
+                full_num_slots=self.pool.num_slots,
+                lut=batch.full_to_swa_index_mapping if g.window else None,
+                num_slots=g.num_slots,
+            ),
             full_to_swa_index_mapping=batch.full_to_swa_index_mapping if g.window else None,
             token_pool=state.device.req_to_verify_expected_tokens if check_token else None,
             token_pool_lens=(
@@ -461,44 +490,128 @@ class KvCanary:
 
     # -- checks of what only this layer knows ----------------------------------------------------------------------
 
-    @staticmethod
-    def _check_state(state) -> None:
+    def _check_state(self, state) -> None:
+        """``state`` is shaped as this canary's ``init_state()`` (a state of another canary reads out of range)."""
         if not isinstance(state, CanaryState):
             raise TypeError(f"state must be a CanaryState (from KvCanary.init_state); got {type(state).__name__}")
+        if not self.enabled:
+            return
+        hint = "it was allocated by another canary; use this canary's init_state()"
+        capacity = state.device.violation_log.ring_capacity
+        if capacity != self.config.ring_capacity:
+            raise ValueError(
+                f"state's ring holds {capacity} rows but config.ring_capacity={self.config.ring_capacity}: {hint}"
+            )
+        pool = state.device.req_to_verify_expected_tokens
+        want_pool = (self.pool.max_reqs, self.pool.max_context_len) if self.config.enable_verify_token_assert else None
+        if (None if pool is None else tuple(pool.shape)) != want_pool:
+            raise ValueError(
+                f"state's expected-token pool is {None if pool is None else tuple(pool.shape)}, but this canary "
+                f"needs {want_pool} (config.enable_verify_token_assert={self.config.enable_verify_token_assert}): {hint}"
+            )
+        for g in self.groups:
+            buffers = state.buffers(g)
+            if buffers is None:
+                raise ValueError(f"state has no {g.name.upper()} buffers (state.{g.name} is None): {hint}")
+            for phase in (Phase.HEAD, Phase.TAIL):
+                for half in Half:
+                    buf = buffers.buffer(phase, half)
+                    name = f"state.{g.name}.{_pool.GroupBuffers.field_name(phase, half)}"
+                    if half in self.halves:
+                        checks.array(name, buf, dtype=jnp.uint32, shape=(g.num_slots, 4, 2))
+                    elif buf is not None:
+                        raise ValueError(f"{name} is set but CanaryPool.with_v is False: {hint}")
 
     def _checked_batch(self, state, batch) -> CanaryBatch:
-        """Checks the batch against the config; returns it with every field a jax array (numpy works eagerly too)."""
+        """Checks the batch's arrays and what the config needs of it; returns it with every field a jax array.
+
+        Shapes, dtypes and presence are static, so they are checked here, at trace time, naming the field; the
+        values are checked in the step (:mod:`kvcanary_jax.runtime._inputs`).
+        """
         self._check_state(state)
         if not isinstance(batch, CanaryBatch):
             raise TypeError(f"batch must be a CanaryBatch; got {type(batch).__name__}")
-        if self.pool.swa is not None and batch.full_to_swa_index_mapping is None:
-            raise ValueError(
-                "the pool has an SWA group, so batch.full_to_swa_index_mapping (i32[num_slots + 1], the full->SWA "
-                "slot table) is required"
+        arrays = {}
+        for field in dataclasses.fields(CanaryBatch):
+            x = getattr(batch, field.name)
+            if x is None:
+                if field.name in _REQUIRED_FIELDS:
+                    raise TypeError(f"batch.{field.name} is required (an int32 array); got None")
+            elif not hasattr(x, "shape") or not hasattr(x, "dtype"):
+                raise TypeError(f"batch.{field.name} must be an int32 array; got {type(x).__name__}")
+            else:
+                arrays[field.name] = jnp.asarray(x)  # a host (numpy) batch works eagerly too
+        rows = {f"batch.{n}": arrays[n] for n in ("req_pool_indices", "prefix_lens", "extend_lens")}
+        tokens = {f"batch.{n}": arrays[n] for n in ("input_ids", "positions", "out_cache_loc")}
+        if self.config.enable_write_input_assert:
+            if "expected_input_ids" not in arrays:
+                raise ValueError(
+                    "config.enable_write_input_assert compares written tokens with batch.expected_input_ids, but it "
+                    "is None; pass the oracle's tokens (i32[T]) or turn the assert off"
+                )
+            tokens.update(
+                {f"batch.{n}": arrays[n] for n in ("expected_input_ids", "expected_positions") if n in arrays}
             )
-        if self.config.enable_write_input_assert and batch.expected_input_ids is None:
-            raise ValueError(
-                "config.enable_write_input_assert compares written tokens with batch.expected_input_ids, but it is "
-                "None; pass the oracle's tokens (i32[T]) or turn the assert off"
-            )
+        for group in (rows, tokens):
+            for name, x in group.items():
+                checks.array(name, x, dtype=jnp.int32, ndim=1)
+                if not x.shape[0]:
+                    raise ValueError(
+                        f"{name} needs at least one entry (shapes are static: pad it); got {name}.shape=(0,)"
+                    )
+            checks.same_length(group)
+        table = arrays["req_to_token"]
+        checks.array("batch.req_to_token", table, dtype=jnp.int32, ndim=2)  # an empty one: build_plans names it
+        if self.pool.swa is not None:
+            lut = arrays.get("full_to_swa_index_mapping")
+            if lut is None:
+                raise ValueError(
+                    "the pool has an SWA group, so batch.full_to_swa_index_mapping (i32[num_slots + 1], the full->SWA "
+                    "slot table) is required"
+                )
+            checks.array("batch.full_to_swa_index_mapping", lut, dtype=jnp.int32, ndim=1)
+            if lut.shape[0] < self.pool.num_slots:
+                raise ValueError(
+                    f"batch.full_to_swa_index_mapping must map every full-pool slot (i32[num_slots + 1], "
+                    f"num_slots={self.pool.num_slots}); got batch.full_to_swa_index_mapping.shape={tuple(lut.shape)}"
+                )
         if self.config.enable_verify_token_assert:
-            if batch.token_ids is None or batch.token_ids_lens is None:
+            if "token_ids" not in arrays or "token_ids_lens" not in arrays:
                 raise ValueError(
                     "config.enable_verify_token_assert needs batch.token_ids (i32[max_reqs, max_context_len]) and "
                     "batch.token_ids_lens (i32[bs]); pass the requests' token history or turn the assert off"
                 )
             pool_shape = state.device.req_to_verify_expected_tokens.shape
-            checks.array("batch.token_ids", batch.token_ids, dtype=jnp.int32, shape=pool_shape)
+            if tuple(table.shape) != tuple(pool_shape):
+                raise ValueError(
+                    f"batch.req_to_token must have CanaryPool's shape (max_reqs, max_context_len)={tuple(pool_shape)} "
+                    f"while the verify-token assert keeps a token pool of that shape; got batch.req_to_token.shape="
+                    f"{tuple(table.shape)}"
+                )
+            checks.array("batch.token_ids", arrays["token_ids"], dtype=jnp.int32, shape=pool_shape)
             checks.array(
-                "batch.token_ids_lens", batch.token_ids_lens, dtype=jnp.int32, shape=batch.req_pool_indices.shape
+                "batch.token_ids_lens",
+                arrays["token_ids_lens"],
+                dtype=jnp.int32,
+                shape=arrays["req_pool_indices"].shape,
             )
-        return jax.tree.map(jnp.asarray, batch)
+        return dataclasses.replace(batch, **arrays)
 
     def _check_sources(self, sources) -> None:
         if not isinstance(sources, _pool.KvSources):
             raise TypeError(
                 f"kv_cache_sources must be KvSources (see KvCanary.kv_sources); got {type(sources).__name__}"
             )
+        launched = {f"{g.name}_{h.name.lower()}": (g, h) for g in self.groups for h in self.halves}
+        for field in dataclasses.fields(_pool.KvSources):
+            value, arg = getattr(sources, field.name), f"kv_cache_sources.{field.name}"
+            if field.name in launched:
+                realkv.validate_sources(value, num_slots=launched[field.name][0].num_slots, arg=arg)
+            elif value:
+                raise ValueError(
+                    f"{arg} holds sources, but no launch of this canary reads them (CanaryPool.swa="
+                    f"{self.pool.swa!r}, with_v={self.pool.with_v})"
+                )
         if self.config.real_kv_hash_mode == RealKvHashMode.NONE:
             return
         for g in self.groups:

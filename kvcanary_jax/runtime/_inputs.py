@@ -4,7 +4,10 @@ JAX clamps out-of-range gathers and drops out-of-range scatters without a word, 
 differ from the canary's would go unchecked, or report rows that name nothing. Before the launches, every value
 they index with is checked against the pool, the table and the token arrays. A bad value is reported once per step,
 as a row naming the field, the batch entry and the value, and is masked out of the launches: its row (request) is
-not verified or written, its slot is skipped, so it adds no rows of its own. Padding is never a violation.
+not verified or written, its slot is skipped, so it adds no rows of its own. A request with a bad new slot writes
+nothing (a partial write would trip the chain-position assert), one whose seed slot is bad starts a new chain, and
+rows after one whose token span cannot be located (a negative length, or past the token arrays) are skipped with
+it. Padding is never a violation.
 
 An ``INVALID_INPUT`` row keeps SGLang's eight fields: ``launch_tag`` is the group's HEAD K tag, ``slot_idx`` the slot
 involved (-1 if none), ``position`` the request position (-1 if none), ``stored_token`` the value received,
@@ -116,32 +119,34 @@ def check_rows(batch, *, padding: str, table_rows: int, context_len: int, token_
     span_lens = jnp.maximum(extend, 0)
     span_ends = prefix.inclusive_sum(span_lens)
     token_rows = _token_rows(span_ends, num_tokens)
-    if padding == "negative":
-        padding_row, reserved_in_use = rpi < 0, jnp.zeros_like(rpi, bool)
-    elif padding == "reserved":
+    no_rows = jnp.zeros_like(rpi, bool)
+    padding_row = {"negative": rpi < 0, "reserved": rpi == 0}.get(padding, no_rows)
+    lower = 1 if padding == "reserved" else 0
+    # A row whose span is unknown (negative) or runs past the token arrays: the spans after it cannot be located
+    # either. They are skipped with it, and only it is reported (one bad value, one row).
+    bad_span = ~padding_row & ((extend < 0) | (span_ends > num_tokens))
+    after_bad_span = prefix.inclusive_sum(bad_span.astype(jnp.int32)) - bad_span > 0
+    reserved_in_use = no_rows
+    if padding == "reserved":
         # A padding row may own tokens that write the padding slot (CUDA-graph padding); a request in row 0 has a
-        # cached prefix or writes a real slot.
+        # cached prefix or writes a real slot (known only where the row's span can be located).
         writes_real_slot = _segment_any(
             (batch.out_cache_loc > _RESERVED_SLOT) & (token_rows >= 0), token_rows, rpi.shape[0]
         )
-        padding_row = rpi == 0
-        reserved_in_use = padding_row & ((cached > 0) | writes_real_slot)
-    else:
-        padding_row, reserved_in_use = jnp.zeros_like(rpi, bool), jnp.zeros_like(rpi, bool)
-    lower = 1 if padding == "reserved" else 0
+        reserved_in_use = padding_row & ((cached > 0) | (writes_real_slot & ~after_bad_span))
     checks = [  # (problem where bad, field, value, limit); the first bad one names the row
         (reserved_in_use, InputProblem.RESERVED_ROW, InputField.REQ_POOL_INDICES, rpi, -1),
         (~padding_row & ((rpi < lower) | (rpi >= table_rows)), InputProblem.OUT_OF_RANGE, InputField.REQ_POOL_INDICES, rpi, table_rows),
         (~padding_row & (cached < 0), InputProblem.NEGATIVE, InputField.PREFIX_LENS, cached, -1),
         (~padding_row & (extend < 0), InputProblem.NEGATIVE, InputField.EXTEND_LENS, extend, -1),
         (~padding_row & (cached + extend > context_len), InputProblem.PAST_CONTEXT, InputField.EXTEND_LENS, cached + extend, context_len),
-        (~padding_row & (span_ends > num_tokens), InputProblem.PAST_TOKENS, InputField.EXTEND_LENS, span_ends, num_tokens),
+        (~padding_row & (span_ends > num_tokens) & ~after_bad_span, InputProblem.PAST_TOKENS, InputField.EXTEND_LENS, span_ends, num_tokens),
     ]  # fmt: skip
     problem, field, value, limit = (jnp.zeros_like(rpi) for _ in range(4))
     for bad, p, f, v, lim in reversed(checks):  # reversed: the first listed problem wins
         problem, field = jnp.where(bad, int(p), problem), jnp.where(bad, int(f), field)
         value, limit = jnp.where(bad, v, value), jnp.where(bad, lim, limit)
-    active = ~padding_row & (problem == 0)
+    active = ~padding_row & (problem == 0) & ~after_bad_span
     issues = [Issues.of(problem, field, value, limit=limit, entry=r, request=jnp.where(problem == 0, rpi, -1))]
     if token_ids_width is not None:
         lens = batch.token_ids_lens
@@ -191,11 +196,24 @@ def token_history_lens(batch, token_pool: jax.Array) -> jax.Array:
     return jnp.clip(batch.token_ids_lens, 0, token_pool.shape[1])
 
 
-def request_slots(batch, rows: Rows, *, full_num_slots: int) -> jax.Array:
-    """i32[T] each token's FULL-pool slot for the launches: -1 (skipped) for the tokens of rows that are not
-    requests and for slots the checks reject (outside ``[1, full_num_slots)``)."""
-    loc = batch.out_cache_loc
-    return jnp.where(_live_tokens(rows) & (_token_problems(loc, rows, full_num_slots) == 0), loc, -1)
+def request_slots(
+    batch, rows: Rows, *, full_num_slots: int, lut: jax.Array | None = None, num_slots: int | None = None
+) -> jax.Array:
+    """i32[T] each token's FULL-pool slot for the launches; -1 (skipped) for the tokens of rows that are not
+    requests, and for every token of a request with a slot the checks reject (outside ``[1, full_num_slots)``, or,
+    given the group's ``lut``, translated outside ``[0, num_slots)``).
+
+    A request with a bad new slot is not written at all: skipping only that token would leave a gap in its chain,
+    which the chain-position assert would report on the token after it (rows for a value already reported).
+    """
+    loc, live = batch.out_cache_loc, _live_tokens(rows)
+    bad = _token_problems(loc, rows, full_num_slots) != 0
+    if lut is not None:
+        translated = _plans.translate(jnp.where(bad, -1, loc), lut)
+        bad |= live & (loc >= 0) & ((translated < 0) | (translated >= num_slots))
+    row_of = jnp.maximum(rows.token_rows, 0)
+    unwritten = _segment_any(bad, rows.token_rows, rows.active.shape[0])
+    return jnp.where(live & ~unwritten[row_of], loc, -1)
 
 
 def _live_tokens(rows: Rows) -> jax.Array:
@@ -307,14 +325,30 @@ def check_group(
     used = (entries < verify_plan.num_valid[0]) & (verify_plan.enable[0] != 0)
     gather_lut, lut_size = (None, None) if lut is None else ((lambda i: lut[i]), lut.shape[0])
     slot, prev = phase_common.plan_slots(
-        plan_rows.raw_slots, plan_rows.raw_prev, gather_lut, lut_size, full_slots=full_num_slots, group_slots=num_slots
+        plan_rows.raw_slots,
+        plan_rows.raw_prev,
+        verify_plan.expected_positions,
+        gather_lut,
+        lut_size,
+        full_slots=full_num_slots,
+        group_slots=num_slots,
     )
     verify_plan = dataclasses.replace(
         verify_plan, slot_indices=jnp.where(used, slot, 0), prev_slot_indices=jnp.where(used, prev, 0)
     )
     batch_row = plan_rows.verify_rows
     request = jnp.where(used, rpi[jnp.maximum(batch_row, 0)], -1)
-    full_loc = request_slots(batch, rows, full_num_slots=full_num_slots)
+    full_loc = request_slots(batch, rows, full_num_slots=full_num_slots, lut=lut, num_slots=num_slots)
+    # A request whose seed (its last cached slot) is bad starts a new chain: there is no record to continue from
+    # or to compare positions with. (The seed is a cached position: the verify checks report it.)
+    bs = rpi.shape[0]
+    table = batch.req_to_token
+    raw_seed = table[jnp.clip(rpi, 0, table.shape[0] - 1), jnp.clip(batch.prefix_lens - 1, 0, table.shape[1] - 1)]
+    seed_live = rows.active & (batch.prefix_lens > 0) & (rows.span_lens > 0)
+    seeds = phase_common.seed_slot(
+        raw_seed, seed_live, gather_lut, lut_size, full_slots=full_num_slots, group_slots=num_slots
+    )
+    write_plan = dataclasses.replace(write_plan, seed_slot_indices=write_plan.seed_slot_indices.at[:bs].set(seeds))
     return Group(
         verify_plan=verify_plan,
         write_plan=write_plan,

@@ -74,6 +74,8 @@ class CanaryMonitor:
     def __init__(self, canary: KvCanary, *, log: logging.Logger | logging.LoggerAdapter | None = None):
         if not isinstance(canary, KvCanary):
             raise TypeError(f"canary must be a KvCanary; got {type(canary).__name__}")
+        if log is not None and not isinstance(log, (logging.Logger, logging.LoggerAdapter)):
+            raise TypeError(f"log must be a logging.Logger or LoggerAdapter (or None); got log={log!r}")
         self.canary = canary
         self.config = canary.config
         self.log = log or logger
@@ -104,9 +106,10 @@ class CanaryMonitor:
           KvCanaryViolationError: in raise mode, when a processed snapshot shows new violations.
           KvCanaryHealthError: when a health check finds a tag that did not run.
         """
-        self.step += 1
+        self._check_state(state)
         if step is not None and not checks.is_int(step):
             raise TypeError(f"step must be an int; got step={step!r}")
+        self.step += 1
         self.user_step = None if step is None else int(step)
         if not self.canary.enabled:
             return
@@ -122,11 +125,23 @@ class CanaryMonitor:
         Raises:
           KvCanaryViolationError: in raise mode, if violations not yet raised are found.
         """
+        self._check_state(state)
         if self.canary.enabled:
             while self._pending:
                 self._process(*self._pending.popleft(), state)
             self._process(self.step, self.user_step, self._take_snapshot(state), state, periodic=False)
         return _report.read_violations(state.violation_log)
+
+    def _check_state(self, state) -> None:
+        """What the monitor reads: a CanaryState whose ring has the configured capacity."""
+        if not isinstance(state, CanaryState):
+            raise TypeError(f"state must be a CanaryState (the state the step returned); got {type(state).__name__}")
+        capacity = state.device.violation_log.ring_capacity
+        if capacity != self.config.ring_capacity:
+            raise ValueError(
+                f"state's ring holds {capacity} rows but config.ring_capacity={self.config.ring_capacity}: the "
+                "state belongs to another canary"
+            )
 
     @staticmethod
     def _take_snapshot(state: CanaryState) -> jax.Array:

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvcanary_jax.core._constants import CanaryLaunchTag, Half, Phase, PoolKind, launch_tag
-from pallas_kernels import checks
+from pallas_kernels import checks, realkv
 from pallas_kernels.realkv import RealKvSource, check_kv_dtype
 
 PADDINGS = ("negative", "reserved", "none")
@@ -46,6 +46,10 @@ class SwaGroup:
         for name in ("num_slots", "window", "page_size", "verify_capacity"):
             if getattr(self, name) is not None or name in ("num_slots", "window"):
                 _positive(self, "SwaGroup", name)
+        if self.num_slots < 2:
+            raise ValueError(
+                f"SwaGroup.num_slots must be >= 2 (slot 0 is the reserved padding slot); got num_slots={self.num_slots}"
+            )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,15 +152,16 @@ class GroupBuffers:
     v_tail: jax.Array | None = None
 
     @staticmethod
-    def _field(phase: Phase, half: Half) -> str:
+    def field_name(phase: Phase, half: Half) -> str:
+        """The attribute holding ``phase``'s ``half`` buffer, e.g. ``k_tail``."""
         return f"{half.name.lower()}_{'head' if phase is Phase.HEAD else 'tail'}"
 
     def buffer(self, phase: Phase, half: Half) -> jax.Array:
         """The buffer ``phase``'s ``half`` launches read and write."""
-        return getattr(self, self._field(phase, half))
+        return getattr(self, self.field_name(phase, half))
 
     def with_buffer(self, phase: Phase, half: Half, buf: jax.Array) -> GroupBuffers:
-        return dataclasses.replace(self, **{self._field(phase, half): buf})
+        return dataclasses.replace(self, **{self.field_name(phase, half): buf})
 
 
 @jax.tree_util.register_dataclass
@@ -182,7 +187,7 @@ def as_sources(name: str, value, page_size: int, num_slots: int) -> tuple[RealKv
     """One field of :class:`KvSources` from None, an array, a RealKvSource, or a sequence of those.
 
     An array must be paged as the pool is: ``[pages, page_size, ...]``, page axis first, covering every slot of
-    the group. (A :class:`RealKvSource` states its own layout; it is checked when a launch uses it.)
+    the group. (A :class:`RealKvSource` states its own layout; only its coverage of the group is checked.)
     """
     if value is None:
         return ()
@@ -193,13 +198,13 @@ def as_sources(name: str, value, page_size: int, num_slots: int) -> tuple[RealKv
         if isinstance(item, RealKvSource):
             out.append(item)
         elif hasattr(item, "shape") and hasattr(item, "dtype"):
-            out.append(RealKvSource(_paged_kv(arg, item, page_size, num_slots), page_size=page_size))
+            out.append(RealKvSource(check_paged_kv(arg, item, page_size, num_slots), page_size=page_size))
         else:
             raise TypeError(f"{arg} must be a KV array or a RealKvSource; got {type(item).__name__}")
-    return tuple(out)
+    return realkv.validate_sources(tuple(out), num_slots=num_slots, arg=name)
 
 
-def _paged_kv(arg: str, kv, page_size: int, num_slots: int):
+def check_paged_kv(arg: str, kv, page_size: int, num_slots: int):
     """``kv`` as a jax array, checked to be laid out ``[pages, page_size, ...]`` and to cover ``num_slots``."""
     check_kv_dtype(kv.dtype, arg)
     shape = tuple(kv.shape)

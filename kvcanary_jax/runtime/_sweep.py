@@ -75,13 +75,37 @@ def walk_prefix_tree(
     return SweepEntries(*(np.concatenate(column) for column in zip(*parts, strict=True)))
 
 
+def check_table(full_to_swa_index_mapping, entries: SweepEntries, *, num_slots: int, swa_num_slots: int) -> np.ndarray:
+    """The full->SWA table as numpy, checked to map every full-pool slot, and the entries' slots into the SWA pool.
+
+    Raises:
+      TypeError, ValueError: naming ``full_to_swa_index_mapping`` and the entry it maps out of range.
+    """
+    name = "full_to_swa_index_mapping"
+    lut = np.asarray(full_to_swa_index_mapping)
+    if not np.issubdtype(lut.dtype, np.integer):
+        raise TypeError(f"{name} must hold integers; got {name}.dtype={lut.dtype}")
+    if lut.ndim != 1 or lut.shape[0] < num_slots:
+        raise ValueError(
+            f"{name} must map every full-pool slot (i32[num_slots + 1], {num_slots=}); got shape {lut.shape}"
+        )
+    prev = np.asarray(entries.prev_slots)
+    used = np.concatenate([np.asarray(entries.slots), prev[prev > 0]])
+    bad = (lut[used] < 0) | (lut[used] >= swa_num_slots)
+    if bad.any():
+        slot = int(used[np.argmax(bad)])
+        raise ValueError(f"{name} must map into the SWA pool [0, {swa_num_slots}); got {name}[{slot}]={lut[slot]}")
+    return lut
+
+
 def translate_entries(entries: SweepEntries, full_to_swa_index_mapping: np.ndarray) -> SweepEntries:
     """Full-pool entries to SWA-pool entries: non-resident slots are dropped, a non-resident predecessor becomes 0."""
     lut = np.asarray(full_to_swa_index_mapping)
-    slots = lut[entries.slots]
-    prev = np.where(entries.prev_slots < 0, -1, lut[np.maximum(entries.prev_slots, 0)]).astype(np.int32)
+    slots, positions, prev = (np.asarray(x) for x in entries)
+    slots = lut[slots]
+    prev = np.where(prev < 0, -1, lut[np.maximum(prev, 0)]).astype(np.int32)
     keep = slots != 0
-    return SweepEntries(slots[keep].astype(np.int32), entries.positions[keep], prev[keep])
+    return SweepEntries(slots[keep].astype(np.int32), positions[keep], prev[keep])
 
 
 @jax.tree_util.register_dataclass
@@ -97,10 +121,11 @@ def pack_entries(entries: SweepEntries, capacity: int, *, what: str = "sweep") -
     """A :class:`VerifyPlan` of ``capacity`` entries holding ``entries`` (no token check, enabled).
 
     Raises:
-      ValueError: if there are more entries than ``capacity``.
+      TypeError, ValueError: for entries that are not integer columns of one length holding slots in
+        ``[1, capacity)``, or more entries than ``capacity``.
     """
-    n = len(entries.slots)
     _check_entries(entries, capacity, what)
+    n = len(entries.slots)
     if n > capacity:
         raise ValueError(
             f"{what}: {n} entries exceed the sweep capacity of {capacity} (the group's slot count); a slot must "
@@ -123,8 +148,18 @@ def pack_entries(entries: SweepEntries, capacity: int, *, what: str = "sweep") -
 
 
 def _check_entries(entries: SweepEntries, num_slots: int, what: str) -> None:
-    """Host checks: slots in ``[1, num_slots)``, predecessors -1, 0 or a slot, positions >= 0, equal lengths."""
+    """Host checks: 1-D integer columns of one length, slots in ``[1, num_slots)``, predecessors -1, 0 or a slot,
+    positions >= 0."""
+    if not isinstance(entries, SweepEntries):
+        raise TypeError(
+            f"{what}: entries must be SweepEntries (e.g. from walk_prefix_tree); got {type(entries).__name__}"
+        )
     slots, positions, prev = (np.asarray(x) for x in entries)
+    for name, x in zip(SweepEntries._fields, (slots, positions, prev), strict=True):
+        if not np.issubdtype(x.dtype, np.integer):
+            raise TypeError(f"{what}: SweepEntries.{name} must hold integers; got dtype {x.dtype}")
+        if x.ndim != 1:
+            raise ValueError(f"{what}: SweepEntries.{name} must have 1 dimension; got shape {x.shape}")
     if not (len(slots) == len(positions) == len(prev)):
         raise ValueError(
             f"{what}: SweepEntries fields must have one length; got slots={len(slots)}, positions={len(positions)}, "

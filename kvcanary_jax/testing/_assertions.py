@@ -14,6 +14,7 @@ from kvcanary_jax.core._report import Violation, ViolationReport, format_violati
 from kvcanary_jax.core._state import CanaryDeviceState, ViolationLog
 from kvcanary_jax.runtime._batch import CanaryState
 from kvcanary_jax.sharded._report import ShardedViolationReport
+from pallas_kernels import checks
 
 Checkable = CanaryState | CanaryDeviceState | ViolationLog | ViolationReport | ShardedViolationReport
 
@@ -55,6 +56,8 @@ def assert_no_violations(x: Checkable, *, step: int | None = None) -> None:
       AssertionError: naming the total count and carrying the first violation's report (its first line is
         SGLang's ``kv_canary violation: ...`` log line).
     """
+    if step is not None and not checks.is_int(step):
+        raise TypeError(f"step must be an int; got step={step!r}")
     errored = [(where, r) for where, r in _reports(x) if r.is_errored]
     if not errored:
         return
@@ -89,8 +92,14 @@ def expect_violation(
             tag = CanaryLaunchTag[tag]
         except KeyError:
             raise ValueError(f"tag must be a CanaryLaunchTag or one of its names; got tag={tag!r}") from None
+    elif tag is not None:  # a tag no launch has would never match: say so instead
+        if not checks.is_int(tag) or int(tag) not in CanaryLaunchTag._value2member_map_:
+            raise ValueError(f"tag must be a CanaryLaunchTag, one of its names or values; got tag={tag!r}")
+        tag = CanaryLaunchTag(int(tag))
     if reason is not None and not isinstance(reason, FailReason):
         raise TypeError(f"reason must be a FailReason; got reason={reason!r}")
+    if slot is not None and not checks.is_int(slot):
+        raise TypeError(f"slot must be an int (a row's slot_idx); got slot={slot!r}")
     rows = [v for _, r in _reports(x) for v in r.violations]
     for v in rows:
         if (

@@ -29,9 +29,12 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from kvcanary_jax.core._constants import CanaryLaunchTag, FailReason, Half, Phase, PoolKind, launch_tag
+from kvcanary_jax.runtime._pool import check_paged_kv
+from pallas_kernels import checks
 
 
 class FaultKind(enum.Enum):
@@ -82,54 +85,123 @@ def _flip_bytes(kv: jax.Array, page: jax.Array, cols: jax.Array) -> jax.Array:
     return lax.bitcast_convert_type(flipped, kv.dtype).reshape(kv.shape)
 
 
-def _check_byte(byte: int, bytes_per_token: int) -> None:
-    if not isinstance(byte, int) or not 0 <= byte < bytes_per_token:
+def _check_byte(byte: int, bytes_per_token: int) -> int:
+    if not checks.is_int(byte) or not 0 <= byte < bytes_per_token:
         raise ValueError(f"byte must be an int in [0, {bytes_per_token}) (bytes per token); got {byte=}")
+    return int(byte)
+
+
+def _check_index(name: str, value, size: int, what: str) -> None:
+    """An integer scalar (Python, numpy or jax; traced ones are not range-checked) in ``[0, size)``.
+
+    JAX drops out-of-range scatter indices and wraps negative ones, so an injector given one would inject nothing,
+    or corrupt another place, without a word.
+    """
+    if hasattr(value, "shape") and hasattr(value, "dtype"):
+        if tuple(value.shape) != () or not jnp.issubdtype(value.dtype, jnp.integer):
+            raise TypeError(
+                f"{name} must be an integer scalar; got {name} of shape {tuple(value.shape)}, {value.dtype}"
+            )
+        if isinstance(value, jax.core.Tracer):
+            return
+        value = int(value)
+    elif not checks.is_int(value):
+        raise TypeError(f"{name} must be an integer scalar; got {name}={value!r}")
+    if not 0 <= value < size:
+        raise ValueError(f"{name} must be in [0, {size}) ({what}); got {name}={value}")
+
+
+def _paged(kv, page_size) -> tuple[jax.Array, int]:
+    """``kv`` checked to be laid out ``[pages, page_size, ...]`` (numpy becomes jax), and its bytes per token."""
+    page_size = checks.positive_int("page_size", page_size)
+    checks.array("kv", kv)
+    kv = check_paged_kv("kv", kv, page_size, num_slots=0)
+    return jnp.asarray(kv), _token_row_bytes(kv, page_size)
 
 
 @functools.partial(jax.jit, static_argnames=("page_size", "byte"))
-def flip_kv_byte(kv: jax.Array, slot: jax.Array, *, page_size: int, byte: int = 0) -> jax.Array:
-    """XORs byte ``byte`` of ``slot``'s token row with 0xFF in a paged KV array (SGLang flips byte 0).
-
-    Args:
-      kv: ``[num_pages, page_size, ...]`` of any 1/2/4-byte dtype; slot ``s`` is row ``s % page_size`` of page
-        ``s // page_size``.
-      slot: i32 scalar slot in this array's pool (may be traced).
-      page_size: static slots per page.
-      byte: static byte offset inside the token row.
-
-    Returns:
-      A new array with one byte changed.
-    """
+def _flip_kv_byte(kv, slot, *, page_size, byte):
     bytes_per_token = _token_row_bytes(kv, page_size)
-    _check_byte(byte, bytes_per_token)
     col = (slot % page_size) * bytes_per_token + byte
     return _flip_bytes(kv, slot // page_size, jnp.reshape(col, (1,)))
 
 
+def flip_kv_byte(kv: jax.Array, slot: jax.Array, *, page_size: int, byte: int = 0) -> jax.Array:
+    """XORs byte ``byte`` of ``slot``'s token row with 0xFF in a paged KV array (SGLang flips byte 0).
+
+    Args:
+      kv: ``[num_pages, page_size, ...]`` of any 1/2/4/8-byte dtype; slot ``s`` is row ``s % page_size`` of page
+        ``s // page_size``.
+      slot: integer scalar slot in this array's pool (may be traced; a concrete one is range-checked).
+      page_size: static slots per page; must be ``kv.shape[1]``.
+      byte: static byte offset inside the token row.
+
+    Returns:
+      A new array with one byte changed.
+
+    Raises:
+      TypeError, ValueError: for a ``kv`` not laid out ``[pages, page_size, ...]``, a ``slot`` outside the pages,
+        or a ``byte`` outside the token row, naming the argument.
+    """
+    kv, bytes_per_token = _paged(kv, page_size)
+    byte = _check_byte(byte, bytes_per_token)
+    _check_index("slot", slot, kv.shape[0] * page_size, "pages * page_size of kv")
+    return _flip_kv_byte(kv, slot, page_size=int(page_size), byte=byte)
+
+
 @functools.partial(jax.jit, static_argnames=("page_size", "byte"))
+def _corrupt_page(kv, page, *, page_size, byte):
+    bytes_per_token = _token_row_bytes(kv, page_size)
+    return _flip_bytes(kv, page, jnp.arange(page_size, dtype=jnp.int32) * bytes_per_token + byte)
+
+
 def corrupt_page(kv: jax.Array, page: jax.Array, *, page_size: int, byte: int = 0) -> jax.Array:
     """XORs byte ``byte`` of every token row of page ``page`` with 0xFF: a whole cached page overwritten.
 
     Every slot of the page then folds to another REAL_KV_HASH, so each one the canary checks is reported.
 
     Args:
-      kv: ``[num_pages, page_size, ...]`` of any 1/2/4-byte dtype.
-      page: i32 scalar page index (may be traced).
-      page_size: static slots per page.
+      kv: ``[num_pages, page_size, ...]`` of any 1/2/4/8-byte dtype.
+      page: integer scalar page index (may be traced; a concrete one is range-checked).
+      page_size: static slots per page; must be ``kv.shape[1]``.
       byte: static byte offset inside each token row.
+
+    Raises:
+      TypeError, ValueError: as :func:`flip_kv_byte`, for ``page`` outside ``[0, num_pages)``.
     """
-    bytes_per_token = _token_row_bytes(kv, page_size)
-    _check_byte(byte, bytes_per_token)
-    return _flip_bytes(kv, page, jnp.arange(page_size, dtype=jnp.int32) * bytes_per_token + byte)
+    kv, bytes_per_token = _paged(kv, page_size)
+    byte = _check_byte(byte, bytes_per_token)
+    _check_index("page", page, kv.shape[0], "pages of kv")
+    return _corrupt_page(kv, page, page_size=int(page_size), byte=byte)
+
+
+def _int_array(name: str, x, ndim: int) -> jax.Array:
+    x = jnp.asarray(x) if isinstance(x, (list, tuple, np.ndarray)) else x
+    checks.array(name, x, ndim=ndim)
+    if not jnp.issubdtype(x.dtype, jnp.integer):
+        raise TypeError(f"{name} must be an integer array; got {name}.dtype={jnp.dtype(x.dtype).name}")
+    return x
 
 
 def remap_slot(req_to_token: jax.Array, pool_row: int, position: int, new_slot: int) -> jax.Array:
-    """``req_to_token`` with entry ``[pool_row, position]`` pointing at ``new_slot`` (a wrong page mapping)."""
-    return jnp.asarray(req_to_token).at[pool_row, position].set(new_slot)
+    """``req_to_token`` with entry ``[pool_row, position]`` pointing at ``new_slot`` (a wrong page mapping).
+
+    ``new_slot`` may be any int32 (an out-of-range one is a fault too); ``pool_row`` and ``position`` must name an
+    entry of the table.
+    """
+    table = _int_array("req_to_token", req_to_token, ndim=2)
+    _check_index("pool_row", pool_row, table.shape[0], "rows of req_to_token")
+    _check_index("position", position, table.shape[1], "columns of req_to_token")
+    if not (checks.is_int(new_slot) or (hasattr(new_slot, "dtype") and jnp.issubdtype(new_slot.dtype, jnp.integer))):
+        raise TypeError(f"new_slot must be an integer; got new_slot={new_slot!r}")
+    return table.at[pool_row, position].set(new_slot)
 
 
 def swap_tokens(input_ids: jax.Array, i: int, j: int) -> jax.Array:
-    """``input_ids`` with entries ``i`` and ``j`` swapped (two requests' sampled tokens crossed)."""
-    input_ids = jnp.asarray(input_ids)
+    """``input_ids`` with entries ``i`` and ``j`` swapped (two requests' sampled tokens crossed); ``i != j``."""
+    input_ids = _int_array("input_ids", input_ids, ndim=1)
+    for name, value in (("i", i), ("j", j)):
+        _check_index(name, value, input_ids.shape[0], "token entries of input_ids")
+    if checks.is_int(i) and checks.is_int(j) and i == j:
+        raise ValueError(f"i and j must be two different token entries; got i=j={i}")
     return input_ids.at[jnp.array([i, j])].set(input_ids[jnp.array([j, i])])

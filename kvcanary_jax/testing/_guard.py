@@ -12,6 +12,7 @@ import jax.numpy as jnp
 from kvcanary_jax.core._state import CanaryDeviceState, ViolationLog
 from kvcanary_jax.runtime._batch import CanaryState
 from kvcanary_jax.testing import _assertions
+from pallas_kernels import checks
 
 _STATES = (CanaryState, CanaryDeviceState)
 
@@ -44,12 +45,16 @@ class CanaryGuard:
         """
         if not isinstance(state, _STATES):
             raise TypeError(f"state must be a CanaryState or CanaryDeviceState; got {type(state).__name__}")
+        if not checks.is_int(key):
+            raise TypeError(f"key must be an int (one per canary of the test); got key={key!r}")
         log = state.violation_log
         self._logs[key] = jax.tree.map(jnp.copy, log)
         return state
 
     def wrap(self, step: Callable[..., Any]) -> Callable[..., Any]:
         """``step`` unchanged, except that every canary state in its outputs is watched (in output order)."""
+        if not callable(step):
+            raise TypeError(f"step must be callable (the jitted step); got {type(step).__name__}")
 
         @functools.wraps(step)
         def watched(*args, **kwargs):

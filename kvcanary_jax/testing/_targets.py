@@ -17,13 +17,14 @@ def cached_entries(batch: CanaryBatch, *, window: int = 0, lut: np.ndarray | Non
     """i64[n, 3] ``(batch row, position, slot)`` of every cached position the step verifies.
 
     With ``window`` > 0 only the last ``window`` cached positions of each row are listed and slots are translated
-    through ``lut`` (the SWA group's view).
+    through ``lut`` (the SWA group's view). Rows with ``req_pool_indices <= 0`` are padding in every convention
+    and are skipped (so a request in table row 0 is never picked as a target).
     """
     out = []
     for r, (row, prefix) in enumerate(
         zip(np.asarray(batch.req_pool_indices), np.asarray(batch.prefix_lens), strict=True)
     ):
-        if row == 0:
+        if row <= 0:  # padding: row 0 (reserved) or a negative row; a request in row 0 is not picked
             continue
         start = max(0, prefix - window) if window else 0
         for pos in range(start, prefix):
@@ -66,9 +67,9 @@ def choose_token_swap(
     """Token entries ``(i, j)`` holding the first (sampled) token of two rows, with different token ids.
 
     Args:
-      rows: candidate batch rows (default: every real row).
+      rows: candidate batch rows (default: every row with ``req_pool_indices > 0``).
     """
-    rows = np.flatnonzero(np.asarray(batch.req_pool_indices)) if rows is None else np.asarray(rows)
+    rows = np.flatnonzero(np.asarray(batch.req_pool_indices) > 0) if rows is None else np.asarray(rows)
     starts = row_starts(batch)[rows]
     ids = np.asarray(batch.input_ids)
     pairs = [(int(a), int(b)) for a in starts for b in starts if a < b and ids[a] != ids[b]]

@@ -29,6 +29,11 @@ def _check_batch(batch: Batch) -> tuple[int, int]:
     if num_reqs < 1:
         raise ValueError(f"the batch needs at least one request row; got req_pool_indices.shape={(num_reqs,)}")
     checks.array("batch.req_to_token", batch.req_to_token, dtype=jnp.int32, ndim=2)
+    if 0 in batch.req_to_token.shape:  # the plans gather from it (clamping), so each axis needs an entry
+        raise ValueError(
+            "batch.req_to_token needs at least one row and one column; got "
+            f"batch.req_to_token.shape={tuple(batch.req_to_token.shape)}"
+        )
     tokens = {"input_ids": batch.input_ids, "positions": batch.positions, "out_cache_loc": batch.out_cache_loc}
     if (batch.expected_input_ids is None) != (batch.expected_input_positions is None):
         raise ValueError(

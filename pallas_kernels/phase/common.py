@@ -112,19 +112,42 @@ def verify_len(active: jax.Array, prefix_lens: jax.Array, window: int) -> jax.Ar
 
 
 def plan_slots(
-    raw: jax.Array, raw_prev: jax.Array, gather_lut, lut_size: int | None, *, full_slots: int, group_slots: int
+    raw: jax.Array,
+    raw_prev: jax.Array,
+    position: jax.Array,
+    gather_lut,
+    lut_size: int | None,
+    *,
+    full_slots: int,
+    group_slots: int,
 ) -> tuple[jax.Array, jax.Array]:
-    """(slot, prev) of plan entries from their ``req_to_token`` values (``raw_prev`` -1 at a chain head).
+    """(slot, prev) of plan entries at ``position`` from their ``req_to_token`` values (``raw_prev`` is read at
+    ``position - 1``; a chain head, position 0, has none).
 
     A value the pools cannot hold is left out, as the runner's input checks report it: a slot outside
     ``[1, full_slots)``, or whose SWA translation is outside ``[0, group_slots)``, becomes 0 (skipped); such a
-    predecessor becomes 0 (unreachable: no chain check). Valid values translate as SGLang's plan does.
+    predecessor becomes 0 (unreachable: no chain check). Heads are told by position, not value: a table entry of
+    -1 is a bad predecessor, not the head marker. Valid values translate as SGLang's plan does.
     """
     slot = translate(raw, gather_lut, lut_size)
-    skip = (raw < 1) | (raw >= full_slots) | (slot < 0) | (slot >= group_slots)
     prev = translate(raw_prev, gather_lut, lut_size)
-    bad_prev = (raw_prev != -1) & ((raw_prev < 0) | (raw_prev >= full_slots) | (prev < 0) | (prev >= group_slots))
-    return jnp.where(skip, layout.PADDING_SLOT, slot), jnp.where(bad_prev, 0, prev)
+    head = position <= 0
+    return (
+        jnp.where(_outside(raw, slot, full_slots, group_slots), layout.PADDING_SLOT, slot),
+        jnp.where(head, -1, jnp.where(_outside(raw_prev, prev, full_slots, group_slots), 0, prev)),
+    )
+
+
+def seed_slot(raw: jax.Array, live: jax.Array, gather_lut, lut_size: int | None, *, full_slots: int, group_slots: int):
+    """The group's slot a request's chain continues from (its last cached slot, ``raw`` in the full pool); -1 (a
+    new chain) where the request writes no continuation (not ``live``) or the slot is one the pools cannot hold."""
+    slot = translate(raw, gather_lut, lut_size)
+    return jnp.where(live & ~_outside(raw, slot, full_slots, group_slots), slot, -1)
+
+
+def _outside(raw: jax.Array, slot: jax.Array, full_slots: int, group_slots: int) -> jax.Array:
+    """A full-pool value outside ``[1, full_slots)`` or its group slot outside ``[0, group_slots)``."""
+    return (raw < 1) | (raw >= full_slots) | (slot < 0) | (slot >= group_slots)
 
 
 def translate(slots: jax.Array, gather_lut, lut_size: int | None) -> jax.Array:

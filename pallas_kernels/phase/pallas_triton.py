@@ -63,8 +63,13 @@ def _walk(inp: tc.Inputs, r, outs, st: tc.Static) -> None:
     start, count, own = tc.write_span(inp, r, st)
     prefix, rpi = inp.prefix[r], inp.rpi[r]
     num_rows, max_context = inp.rtt.shape
-    seed = tc.translate(inp, inp.rtt[common.jnp_index(rpi, num_rows), jnp.clip(prefix - 1, 0, max_context - 1)])
-    seed = jnp.where((inp.active[r] != 0) & (prefix > 0) & (own > 0), seed, -1)
+    seed = common.seed_slot(
+        inp.rtt[common.jnp_index(rpi, num_rows), jnp.clip(prefix - 1, 0, max_context - 1)],
+        (inp.active[r] != 0) & (prefix > 0) & (own > 0),
+        *tc.lut_reader(inp),
+        full_slots=st.full_slots,
+        group_slots=st.group_slots,
+    )
     check = (seed >= 0) & (inp.cpa[0] != 0) & (count > 0)
     carry = []
     for buf in inp.bufs:

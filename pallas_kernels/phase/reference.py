@@ -67,7 +67,9 @@ def build_plan(
     row = rpi[req]
     raw = rtt[row, jnp.clip(pos, 0, max_context - 1)]
     raw_prev = jnp.where(pos > 0, rtt[row, jnp.clip(pos - 1, 0, max_context - 1)], -1)
-    slot, prev = common.plan_slots(raw, raw_prev, gather_lut, lut_size, full_slots=full_slots, group_slots=group_slots)
+    slot, prev = common.plan_slots(
+        raw, raw_prev, pos, gather_lut, lut_size, full_slots=full_slots, group_slots=group_slots
+    )
     expected_token = jnp.full_like(t, -1)
     if batch.token_pool is not None:
         pool = batch.token_pool
@@ -76,9 +78,14 @@ def build_plan(
         expected_token = jnp.where(known, pool[row, jnp.clip(token_pos, 0, pool.shape[1] - 1)], -1)
     used = (t < num_valid) & ~overflow
 
-    seed = rtt[rpi, jnp.clip(prefix - 1, 0, max_context - 1)]
-    translate = lambda s: common.translate(s, gather_lut, lut_size)  # noqa: E731
-    seed = jnp.where((batch.active != 0) & (prefix > 0) & (batch.span_lens > 0), translate(seed), -1)
+    seed = common.seed_slot(
+        rtt[rpi, jnp.clip(prefix - 1, 0, max_context - 1)],
+        (batch.active != 0) & (prefix > 0) & (batch.span_lens > 0),
+        gather_lut,
+        lut_size,
+        full_slots=full_slots,
+        group_slots=group_slots,
+    )
     return Plan(
         slot_indices=jnp.where(used, slot, 0),
         expected_tokens=jnp.where(used, expected_token, -1),

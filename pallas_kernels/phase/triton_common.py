@@ -154,11 +154,14 @@ def loop(n: int, body: Callable, carry):
     return lax.fori_loop(jnp.int32(0), jnp.int32(n), body, carry)
 
 
+def lut_reader(inp: Inputs):
+    """``(gather_lut, lut_size)`` of ``common``'s slot formulas, reading the LUT ref; ``(None, None)`` without one."""
+    return (None, None) if inp.lut is None else ((lambda i: inp.lut[i]), inp.lut.shape[0])
+
+
 def translate(inp: Inputs, slots: jax.Array) -> jax.Array:
     """``common.translate`` through the LUT ref, when the group has one."""
-    if inp.lut is None:
-        return slots
-    return common.translate(slots, lambda i: inp.lut[i], inp.lut.shape[0])
+    return common.translate(slots, *lut_reader(inp))
 
 
 def row_sum(ref, h: int, upto, st: Static) -> jax.Array:
@@ -248,9 +251,9 @@ def plan_entries(inp: Inputs, t: jax.Array, req: jax.Array, start: jax.Array, ac
     row = common.jnp_index(rpi, num_rows)
     raw = inp.rtt[row, jnp.clip(position, 0, max_context - 1)]
     raw_prev = jnp.where(position > 0, inp.rtt[row, jnp.clip(position - 1, 0, max_context - 1)], -1)
-    gather_lut, lut_size = (None, None) if inp.lut is None else ((lambda i: inp.lut[i]), inp.lut.shape[0])
+    gather_lut, lut_size = lut_reader(inp)
     slot, prev = common.plan_slots(
-        raw, raw_prev, gather_lut, lut_size, full_slots=st.full_slots, group_slots=st.group_slots
+        raw, raw_prev, position, gather_lut, lut_size, full_slots=st.full_slots, group_slots=st.group_slots
     )
     token = jnp.full(t.shape, -1, jnp.int32)
     if st.has_pool:

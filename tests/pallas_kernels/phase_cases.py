@@ -61,8 +61,8 @@ def make_case(
     corrupts a ``corrupt`` fraction of the records, so most entries verify clean and every launch's rows land in a
     roomy ring;
     otherwise the buffers are random and nearly every verified entry fails. ``clean_seeds`` starts from zeros.
-    ``out_of_range`` puts slots past the pool into the table and the tokens (the phase skips them: the runner's
-    input checks report them). ``roles`` gives the rows' roles explicitly, as the runner does: some rows with a
+    ``out_of_range`` puts the padding slot and slots past the pool into the table, and slots past the pool into the
+    tokens (the phase skips them, and a chain does not continue from them: the runner's input checks report them). ``roles`` gives the rows' roles explicitly, as the runner does: some rows with a
     table row are not requests but own tokens (skipped), and the ring carries a context array.
     """
     rng = np.random.default_rng(seed)
@@ -85,8 +85,8 @@ def make_case(
     extend = np.minimum(extend, s.max_len - prefix).astype(np.int32)
 
     req_to_token = rng.integers(1, s.num_slots, (rows, s.max_len)).astype(np.int32)
-    req_to_token[rng.random(req_to_token.shape) < 0.05] = 0  # padding slot inside a chain
     if out_of_range:
+        req_to_token[rng.random(req_to_token.shape) < 0.05] = 0  # the padding slot inside a chain: skipped
         req_to_token[rng.random(req_to_token.shape) < 0.03] = s.num_slots + 3  # skipped
     ids, positions, loc = [], [], []
     for r in range(s.num_reqs):
