@@ -9,6 +9,10 @@
 ``"pallas"`` and ``"auto"`` choose by the platform the computation is *lowered* for (``lax.platform_dependent``),
 not by ``jax.default_backend()``: ``jax.export(..., platforms=["tpu"])`` on a CPU host gets the Mosaic kernels,
 and ``platforms=["cuda"]`` the Triton ones. Every branch is traced; only the lowering platform's is lowered.
+
+Inputs typed with an explicit mesh sharding (:mod:`pallas_kernels.mesh`) take the xla path outright under
+``"auto"``: a ``pallas_call`` is not partitioned, and the kernel branches would fail while being traced. The
+kernel backends refuse them.
 """
 
 from __future__ import annotations
@@ -21,12 +25,19 @@ import jax.extend as jex
 from jax import lax
 from jax.interpreters import mlir
 
+from pallas_kernels import mesh
+
 BACKENDS = ("auto", "xla", "pallas", "interpret", "interpret_tpu")
 
 _NO_KERNELS = (
     "backend='pallas' runs the platform's own Pallas kernels and needs a GPU (Triton) or a TPU (Mosaic), but the "
     "computation is lowered for {platform}; use backend='interpret' (the Triton kernels, interpreted), "
     "'interpret_tpu' (the Mosaic kernels, interpreted), 'xla' or 'auto'"
+)
+_SHARDED = (
+    "backend={backend!r} runs Pallas kernels, which take arrays on one device, but these inputs carry an explicit "
+    "mesh sharding (AxisType.Explicit, mesh axes {axes}); call the op inside jax.shard_map, where each device sees "
+    "its own shard, or use backend='xla' or 'auto', which read sharded arrays in place"
 )
 
 
@@ -54,18 +65,31 @@ def dispatch(
     Raises:
       ValueError: an unknown backend name.
       NotImplementedError: ``"pallas"`` lowered for a platform without Pallas kernels, when lowered (or, run
-        eagerly, when called).
+        eagerly, when called); a kernel backend called with inputs typed with an explicit mesh sharding.
     """
     validate(backend)
     if backend == "xla":
         return xla
     if backend == "interpret":
-        return functools.partial(triton, interpret=True)
-    if backend == "interpret_tpu":
-        return functools.partial(mosaic, interpret=True)
-    gpu, tpu = functools.partial(triton, interpret=False), functools.partial(mosaic, interpret=False)
-    default = xla if backend == "auto" else functools.partial(_no_kernels, xla)
-    return lambda *args: lax.platform_dependent(*args, cuda=gpu, rocm=gpu, tpu=tpu, default=default)
+        kernels = functools.partial(triton, interpret=True)
+    elif backend == "interpret_tpu":
+        kernels = functools.partial(mosaic, interpret=True)
+    else:
+        gpu, tpu = functools.partial(triton, interpret=False), functools.partial(mosaic, interpret=False)
+        default = xla if backend == "auto" else functools.partial(_no_kernels, xla)
+
+        def kernels(*args):
+            return lax.platform_dependent(*args, cuda=gpu, rocm=gpu, tpu=tpu, default=default)
+
+    def run(*args):
+        sharded = mesh.explicit_mesh(args)
+        if sharded is None:
+            return kernels(*args)
+        if backend == "auto":
+            return xla(*args)
+        raise NotImplementedError(_SHARDED.format(backend=backend, axes=tuple(sharded.axis_names)))
+
+    return run
 
 
 # A branch for platforms without Pallas kernels that fails only if it is lowered (or run eagerly): the other
