@@ -32,6 +32,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from kvcanary_jax.core._constants import CanaryLaunchTag, FailReason, Half, Phase, PoolKind, launch_tag
+from pallas_kernels import mesh
 
 
 class FaultKind(enum.Enum):
@@ -73,13 +74,21 @@ def _token_row_bytes(kv: jax.Array, page_size: int) -> int:
 
 
 def _flip_bytes(kv: jax.Array, page: jax.Array, cols: jax.Array) -> jax.Array:
-    """XORs bytes ``cols`` (i32[n]) of page row ``page`` with 0xFF, viewing the array as raw bytes."""
-    pages, itemsize = kv.shape[0], jnp.dtype(kv.dtype).itemsize
-    as_bytes = lax.bitcast_convert_type(kv.reshape(pages, -1), jnp.uint8).reshape(pages, -1)
-    flipped = as_bytes.at[page, cols].set(as_bytes[page, cols] ^ jnp.uint8(0xFF))
-    if itemsize > 1:
-        flipped = flipped.reshape(pages, -1, itemsize)
-    return lax.bitcast_convert_type(flipped, kv.dtype).reshape(kv.shape)
+    """XORs bytes ``cols`` (i32[n], distinct) of page row ``page`` with 0xFF.
+
+    Only the elements holding those bytes are read and written back, in a same-width unsigned view: the array keeps
+    its shape and sharding (an explicitly sharded KV pool, as sglang-jax's, is neither reshaped nor resharded), and
+    no float op touches NaN payloads elsewhere in the array.
+    """
+    itemsize = jnp.dtype(kv.dtype).itemsize
+    uint = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}[itemsize]
+    with mesh.context(kv):
+        page, cols = mesh.replicate((jnp.asarray(page, jnp.int32), jnp.asarray(cols, jnp.int32)))
+        index = (jnp.broadcast_to(page, cols.shape), *jnp.unravel_index(cols // itemsize, kv.shape[1:]))
+        bits = lax.bitcast_convert_type(kv, uint)
+        elements = mesh.take(bits, index)  # uint[n]
+        mask = jnp.left_shift(jnp.full(cols.shape, 0xFF, uint), (8 * (cols % itemsize)).astype(uint))
+        return lax.bitcast_convert_type(mesh.set_elements(bits, index, elements ^ mask), kv.dtype)
 
 
 def _check_byte(byte: int, bytes_per_token: int) -> None:
@@ -125,11 +134,18 @@ def corrupt_page(kv: jax.Array, page: jax.Array, *, page_size: int, byte: int = 
 
 
 def remap_slot(req_to_token: jax.Array, pool_row: int, position: int, new_slot: int) -> jax.Array:
-    """``req_to_token`` with entry ``[pool_row, position]`` pointing at ``new_slot`` (a wrong page mapping)."""
-    return jnp.asarray(req_to_token).at[pool_row, position].set(new_slot)
+    """``req_to_token`` with entry ``[pool_row, position]`` pointing at ``new_slot`` (a wrong page mapping).
+
+    Keeps the table's sharding (a page table on an explicit mesh stays where it is)."""
+    req_to_token = jnp.asarray(req_to_token)
+    with mesh.context(req_to_token):
+        index = (jnp.asarray([pool_row], jnp.int32), jnp.asarray([position], jnp.int32))
+        return mesh.set_elements(req_to_token, index, jnp.asarray([new_slot], req_to_token.dtype))
 
 
 def swap_tokens(input_ids: jax.Array, i: int, j: int) -> jax.Array:
-    """``input_ids`` with entries ``i`` and ``j`` swapped (two requests' sampled tokens crossed)."""
+    """``input_ids`` with entries ``i`` and ``j`` swapped (two requests' sampled tokens crossed); keeps its sharding."""
     input_ids = jnp.asarray(input_ids)
-    return input_ids.at[jnp.array([i, j])].set(input_ids[jnp.array([j, i])])
+    with mesh.context(input_ids):
+        swapped = mesh.take(input_ids, (jnp.asarray([j, i], jnp.int32),))
+        return mesh.set_elements(input_ids, (jnp.asarray([i, j], jnp.int32),), swapped)
