@@ -78,7 +78,7 @@ class Arrival:
     max_new_tokens: int
 
 
-def workload(seed: int = 0, num_requests: int = 12) -> list[Arrival]:
+def workload(seed: int = 0, num_requests: int = 16) -> list[Arrival]:
     """Requests on two shared system prompts (later ones reuse prefixes the radix cache holds), a few short ones
     early (their slots become idle cache), then one new request every 3 steps."""
     rng = np.random.default_rng(seed)

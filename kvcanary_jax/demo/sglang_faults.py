@@ -164,30 +164,30 @@ def run(
     """
     sched = sglang_engine.MiniScheduler(worker, sglang_engine.workload(seed, num_requests))
     injector = _Injector(fault, sched, inject_at, seed) if fault is not None else None
-    observed = []
-    with sglang_jax.wrap(worker, config, tree_cache=sched.tree_cache) as guard:
-        try:
-            for step, batch in enumerate(sched):
-                if step >= max_steps:
-                    break
-                if injector:
-                    injector.before_batch(step, batch)
-                guard.expect(batch)
-                mwb = sched.model_worker_batch(batch)
-                if injector:
-                    injector.before_forward(step, batch, mwb)
-                sched.run_batch(batch, mwb)
-                if injector:
-                    injector.after_step(step, guard)
-                guard.after_step()
-            guard.final_check()
-        except KvCanaryViolationError:
-            pass  # raise mode: the monitor's observed list holds what it read
-        observed = guard.monitor.observed
-        first = observed[0] if observed else None
-        rid = None
-        if first is not None and first.violation.request_row is not None:
-            rid = guard.request_ids(first.user_step)[first.violation.request_row]
+    guard = sglang_jax.wrap(worker, config, tree_cache=sched.tree_cache)
+    try:
+        for step, batch in enumerate(sched):
+            if step >= max_steps:
+                break
+            if injector:
+                injector.before_batch(step, batch)
+            guard.expect(batch)
+            mwb = sched.model_worker_batch(batch)
+            if injector:
+                injector.before_forward(step, batch, mwb)
+            sched.run_batch(batch, mwb)
+            if injector:
+                injector.after_step(step, guard)
+            guard.after_step()
+        guard.final_check()
+    except KvCanaryViolationError:
+        pass  # raise mode: the monitor's observed list holds what it read
+    finally:
+        guard.unwrap()
+    first = guard.monitor.observed[0] if guard.monitor.observed else None
+    rid = None
+    if first is not None and first.violation.request_row is not None:
+        rid = guard.request_ids(first.user_step)[first.violation.request_row]
     injected = injector.injected if injector else None
     if fault is None:
         ok, note = first is None, "" if first is None else "false positive in the clean run"

@@ -310,8 +310,13 @@ class SglangCanary:
     def __enter__(self) -> SglangCanary:
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.unwrap()
+    def __exit__(self, exc_type, *exc) -> None:
+        """Unwraps; on a normal exit first runs :meth:`final_check` (raising in raise mode)."""
+        try:
+            if exc_type is None:
+                self.final_check()
+        finally:
+            self.unwrap()
 
     # -- the engine's calls ----------------------------------------------------------------------------------------
 
@@ -422,7 +427,8 @@ def wrap(worker, config: kc.CanaryConfig, *, tree_cache=None, table_width: int |
       table_width: columns of the device-built page table; default the model's context length.
 
     Returns:
-      The :class:`SglangCanary` guard (also a context manager that unwraps on exit).
+      The :class:`SglangCanary` guard; as a context manager it runs :meth:`SglangCanary.final_check` and unwraps on
+      exit.
 
     Raises:
       ImportError: sglang-jax is not installed (with the command that installs it).
