@@ -26,8 +26,15 @@ def main(argv: list[str] | None = None) -> int:
         help="the canary's kernels: auto (Triton on GPU, Mosaic on TPU, else xla), xla, pallas, interpret (Triton, "
         "interpreted) or interpret_tpu (Mosaic, interpreted; slow)",
     )  # fmt: skip
+    demo.add_argument(
+        "--engine", default="toy", choices=("toy", "sglang-jax"),
+        help="toy: the built-in paged-KV model; sglang-jax: a tiny random Llama on the real engine (needs the "
+        "sglang-jax extra)",
+    )  # fmt: skip
     commands.add_parser("example", help="write, verify and tamper one request's chain, printing the report")
     args = parser.parse_args(argv)
+    if args.command == "demo" and args.engine == "sglang-jax":
+        return _engine_demo(args)
     if args.command == "demo" and args.devices is not None:
         from kvcanary_jax.demo import sharded, sharded_faults
 
@@ -42,6 +49,23 @@ def main(argv: list[str] | None = None) -> int:
     from kvcanary_jax.demo import example
 
     return 0 if example.run_example() > 0 else 1
+
+
+def _engine_demo(args: argparse.Namespace) -> int:
+    """The fault table over sglang-jax, or a one-line hint when the extra is not installed."""
+    from kvcanary_jax.integrations import sglang_jax
+
+    if args.devices is not None or args.backend not in ("auto", "xla"):
+        print("--engine sglang-jax runs on one device with the xla backend (the engine's KV is explicitly sharded)")
+        return 2
+    try:
+        sglang_jax.require_sglang_jax()
+    except ImportError as err:
+        print(err)
+        return 1
+    from kvcanary_jax.demo import sglang_faults
+
+    return sglang_faults.run_demo(seed=args.seed, as_json=args.json)
 
 
 if __name__ == "__main__":

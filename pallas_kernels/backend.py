@@ -9,6 +9,10 @@
 ``"pallas"`` and ``"auto"`` choose by the platform the computation is *lowered* for (``lax.platform_dependent``),
 not by ``jax.default_backend()``: ``jax.export(..., platforms=["tpu"])`` on a CPU host gets the Mosaic kernels,
 and ``platforms=["cuda"]`` the Triton ones. Every branch is traced; only the lowering platform's is lowered.
+
+Inputs typed with an explicit mesh sharding (:mod:`pallas_kernels.mesh`) take the xla path outright under
+``"auto"``: a ``pallas_call`` is not partitioned, and the kernel branches would fail while being traced. The
+kernel backends refuse them.
 """
 
 from __future__ import annotations
@@ -21,12 +25,19 @@ import jax.extend as jex
 from jax import lax
 from jax.interpreters import mlir
 
+from pallas_kernels import mesh
+
 BACKENDS = ("auto", "xla", "pallas", "interpret", "interpret_tpu")
 
 _NO_KERNELS = (
     "backend='pallas' runs the platform's own Pallas kernels and needs a GPU (Triton) or a TPU (Mosaic), but the "
     "computation is lowered for {platform}; use backend='interpret' (the Triton kernels, interpreted), "
     "'interpret_tpu' (the Mosaic kernels, interpreted), 'xla' or 'auto'"
+)
+_SHARDED = (
+    "backend={backend!r} runs Pallas kernels, which take arrays on one device, but these inputs carry an explicit "
+    "mesh sharding (AxisType.Explicit, mesh axes {axes}); call the op inside jax.shard_map, where each device sees "
+    "its own shard, or use backend='xla' or 'auto', which read sharded arrays in place"
 )
 
 
@@ -56,23 +67,37 @@ def dispatch(
     Raises:
       ValueError: an unknown backend name.
       NotImplementedError: ``"pallas"`` lowered for a platform without Pallas kernels, when lowered (or, run
-        eagerly, when called); ``"interpret_tpu"`` for an op without Mosaic kernels.
+        eagerly, when called); ``"interpret_tpu"`` for an op without Mosaic kernels; a kernel backend called
+        with inputs typed with an explicit mesh sharding.
     """
     validate(backend)
     if backend == "xla":
         return xla
     if backend == "interpret":
-        return functools.partial(triton, interpret=True)
-    if backend == "interpret_tpu":
+        kernels = functools.partial(triton, interpret=True)
+    elif backend == "interpret_tpu":
         if mosaic is None:
             raise NotImplementedError(
                 "backend='interpret_tpu' runs Mosaic kernels, and this op has none; use 'xla', 'interpret' or 'auto'"
             )
-        return functools.partial(mosaic, interpret=True)
-    gpu = functools.partial(triton, interpret=False)
-    missing = xla if backend == "auto" else functools.partial(_no_kernels, xla)
-    tpu = missing if mosaic is None else functools.partial(mosaic, interpret=False)
-    return lambda *args: lax.platform_dependent(*args, cuda=gpu, rocm=gpu, tpu=tpu, default=missing)
+        kernels = functools.partial(mosaic, interpret=True)
+    else:
+        gpu = functools.partial(triton, interpret=False)
+        default = xla if backend == "auto" else functools.partial(_no_kernels, xla)
+        tpu = default if mosaic is None else functools.partial(mosaic, interpret=False)
+
+        def kernels(*args):
+            return lax.platform_dependent(*args, cuda=gpu, rocm=gpu, tpu=tpu, default=default)
+
+    def run(*args):
+        sharded = mesh.explicit_mesh(args)
+        if sharded is None:
+            return kernels(*args)
+        if backend == "auto":
+            return xla(*args)
+        raise NotImplementedError(_SHARDED.format(backend=backend, axes=tuple(sharded.axis_names)))
+
+    return run
 
 
 # A branch for platforms without Pallas kernels that fails only if it is lowered (or run eagerly): the other

@@ -78,8 +78,7 @@ def _word(ref, row: jax.Array, first_word: jax.Array, k: int) -> jax.Array:
 def chunk_loader(kv_refs):
     """The ``load_chunk`` callback of :func:`realkv.fold_slots` for kernel refs of :func:`kv_rows` views."""
 
-    def load_chunk(i: int, row: jax.Array, word: jax.Array, chunk: jax.Array) -> tuple[jax.Array, ...]:
-        first = word + chunk * _WORDS_PER_CHUNK
+    def load_chunk(i: int, row: jax.Array, first: jax.Array) -> tuple[jax.Array, ...]:
         return tuple(_word(kv_refs[i], row, first, k) for k in range(_WORDS_PER_CHUNK))
 
     return load_chunk
@@ -94,7 +93,13 @@ def source_specs(sources) -> tuple[realkv.RealKvSource, ...]:
     """The sources' static layout with shape-only data, safe to bind into a kernel body."""
     return tuple(
         realkv.RealKvSource(
-            jax.ShapeDtypeStruct(s.data.shape, s.data.dtype), s.page_size, s.num_bytes_per_token, s.read_bytes
+            jax.ShapeDtypeStruct(s.data.shape, s.data.dtype),
+            s.page_size,
+            s.num_bytes_per_token,
+            s.read_bytes,
+            s.byte_offset,
+            s.segment_bytes,
+            s.segment_stride,
         )
         for s in sources
     )

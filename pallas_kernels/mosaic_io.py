@@ -9,7 +9,7 @@ kernels therefore lay a block of ``rows * 128`` entries out as ``[rows, 128]`` (
     word, the shape the shared u32-pair hash code (:mod:`pallas_kernels.hash64`) works on.
 
 Every DMA indexes only the leading (untiled) dims of its HBM ref, except the KV window inside a page row; see
-:func:`kv_copy`. Nothing here is 64-bit: 8-byte KV elements are viewed as u32 pairs before the kernel.
+:func:`kv_copies`. Nothing here is 64-bit: 8-byte KV elements are viewed as u32 pairs before the kernel.
 """
 
 from __future__ import annotations
@@ -42,18 +42,33 @@ class KvWindow:
       token_elements: elements of one token (``num_bytes_per_token / itemsize``).
       elements: elements DMA'd per slot: 16 bytes in PARTIAL mode, ``read_bytes`` in ALL mode.
       itemsize: bytes per view element (1, 2 or 4).
+      offset: elements from the token's start to its first folded byte (``byte_offset / itemsize``).
+      segment: elements per DMA; ``elements / segment`` DMAs per slot.
+      stride: elements between the starts of consecutive segments in the token.
     """
 
     page_size: int
     token_elements: int
     elements: int
     itemsize: int
+    offset: int = 0
+    segment: int | None = None
+    stride: int | None = None
 
 
 def kv_window(source: realkv.RealKvSource, mode: int) -> KvWindow:
     itemsize = min(4, jnp.dtype(source.data.dtype).itemsize)  # 8-byte elements are viewed as u32 pairs
     nbytes = layout.REAL_KV_CHUNK_BYTES * realkv.num_chunks(source, mode)
-    return KvWindow(source.page_size, source.num_bytes_per_token // itemsize, nbytes // itemsize, itemsize)
+    segment = min(nbytes, source.segment_bytes)  # PARTIAL: the first 16 bytes, inside the first segment
+    return KvWindow(
+        source.page_size,
+        source.num_bytes_per_token // itemsize,
+        nbytes // itemsize,
+        itemsize,
+        offset=source.byte_offset // itemsize,
+        segment=segment // itemsize,
+        stride=source.segment_stride // itemsize,
+    )
 
 
 def kv_view(data: jax.Array) -> jax.Array:
@@ -101,19 +116,27 @@ def record_copy(buf_hbm, slot: jax.Array, rec_ref, e: jax.Array, sem, *, to_hbm:
     return pltpu.make_async_copy(vmem, hbm, sem) if to_hbm else pltpu.make_async_copy(hbm, vmem, sem)
 
 
-def kv_copy(kv_hbm, window: KvWindow, slot: jax.Array, kv_ref, e: jax.Array, sem):
-    """DMA of slot ``slot``'s folded bytes from its page row of ``kv_hbm`` into entry ``e``'s row of ``kv_ref``.
+def kv_copies(kv_hbm, window: KvWindow, slot: jax.Array, kv_ref, e: jax.Array, sem) -> list:
+    """DMAs of slot ``slot``'s folded bytes from its page row of ``kv_hbm`` into entry ``e``'s row of ``kv_ref``.
 
-    ``slot`` must be non-negative (clamped), so ``lax.div`` / ``lax.rem`` are the floor division of the spec.
-    The window starts ``(slot % page_size) * token_elements`` into the row: 16-byte aligned, but not tile
-    aligned unless ``page_size == 1``.
+    One DMA per segment of the source (one for a contiguous source), packed end to end in the window, so the
+    window holds exactly the folded bytes in fold order. ``slot`` must be non-negative (clamped), so ``lax.div`` /
+    ``lax.rem`` are the floor division of the spec. A segment starts ``(slot % page_size) * token_elements +
+    offset + k * stride`` into the row: 16-byte aligned, but not tile aligned unless ``page_size == 1``.
     """
-    page, start = slot, 0
+    page, start = slot, jnp.int32(window.offset)
     if window.page_size > 1:
         page = lax.div(slot, jnp.int32(window.page_size))
-        start = lax.rem(slot, jnp.int32(window.page_size)) * jnp.int32(window.token_elements)
-    src = kv_hbm.at[pl.ds(page, 1), pl.ds(start, window.elements)]
-    return pltpu.make_async_copy(src, _at(kv_ref, e), sem)
+        start = start + lax.rem(slot, jnp.int32(window.page_size)) * jnp.int32(window.token_elements)
+    segment = window.segment or window.elements
+    stride = window.stride or segment
+    dst = _at(kv_ref, e)
+    copies = []
+    for k in range(window.elements // segment):
+        src = kv_hbm.at[pl.ds(page, 1), pl.ds(start + k * stride, segment)]
+        part = dst if segment == window.elements else dst.at[:, pl.ds(k * segment, segment)]
+        copies.append(pltpu.make_async_copy(src, part, sem))
+    return copies
 
 
 def gather(count: jax.Array, copies: Callable[[jax.Array], Sequence], when: Callable | None = None) -> None:

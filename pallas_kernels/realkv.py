@@ -16,9 +16,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from pallas_kernels import checks, hash64, layout
+from pallas_kernels import checks, hash64, layout, mesh
 
 _WORDS_PER_CHUNK = layout.REAL_KV_CHUNK_BYTES // 4
+_CHUNK = layout.REAL_KV_CHUNK_BYTES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,13 +31,24 @@ class RealKvSource:
       page_size: token slots per page (>= 1). Slot ``s`` lives in page ``s // page_size``.
       num_bytes_per_token: bytes of one token inside a page row, a positive multiple of 16.
       read_bytes: bytes folded in ALL mode, a multiple of 16 in ``[16, num_bytes_per_token]``; PARTIAL mode
-        always folds the first 16. ``None`` means all ``num_bytes_per_token``.
+        always folds the first 16. ``None`` means every byte from ``byte_offset`` on (whole segments that fit).
+      byte_offset: where the folded bytes start in the token's bytes, a multiple of 16 (default 0).
+      segment_bytes, segment_stride: ``read_bytes`` are read as runs of ``segment_bytes``, run ``k`` starting at
+        ``byte_offset + k * segment_stride`` (multiples of 16; default: one contiguous run).
+
+    Offset and segments name a strided part of each token without copying it. sglang-jax fuses K and V per layer as
+    ``[pages, page_size, 2 * kv_heads // packing, packing, head_dim]``, K and V alternating per head; with
+    ``h = head_dim * itemsize`` its K heads are ``byte_offset=0, segment_bytes=h, segment_stride=2 * h`` and its V
+    heads the same with ``byte_offset=h``.
     """
 
     data: jax.Array
     page_size: int = 1
     num_bytes_per_token: int | None = None
     read_bytes: int | None = None
+    byte_offset: int = 0
+    segment_bytes: int | None = None
+    segment_stride: int | None = None
 
     def __post_init__(self):
         if isinstance(self.data, np.ndarray):
@@ -51,8 +63,7 @@ class RealKvSource:
             raise ValueError(f"RealKvSource.page_size must be an int >= 1; got page_size={self.page_size!r}")
         if self.num_bytes_per_token is None:
             object.__setattr__(self, "num_bytes_per_token", row_bytes // self.page_size)
-        if self.read_bytes is None:
-            object.__setattr__(self, "read_bytes", self.num_bytes_per_token)
+        self._default_segments()
         bpt, rb = self.num_bytes_per_token, self.read_bytes
         if not isinstance(bpt, int) or bpt <= 0 or bpt % 16:
             raise ValueError(f"RealKvSource.num_bytes_per_token must be a positive multiple of 16; got {bpt!r}")
@@ -66,6 +77,46 @@ class RealKvSource:
                 f"read_bytes must be a positive multiple of 16 and <= num_bytes_per_token; got read_bytes={rb!r}, "
                 f"num_bytes_per_token={bpt}"
             )
+        self._check_segments()
+
+    def _default_segments(self) -> None:
+        off, bpt = self.byte_offset, self.num_bytes_per_token
+        if off < 0 or off % 16:
+            raise ValueError(f"RealKvSource.byte_offset must be a non-negative multiple of 16; got byte_offset={off}")
+        if self.read_bytes is None:
+            if self.segment_bytes is None:
+                object.__setattr__(self, "read_bytes", bpt - off)
+            else:  # every whole segment that fits in the token
+                stride = self.segment_stride or self.segment_bytes
+                runs = (bpt - off - self.segment_bytes) // stride + 1 if stride > 0 else 0
+                object.__setattr__(self, "read_bytes", max(runs, 0) * self.segment_bytes)
+        if self.segment_bytes is None:
+            object.__setattr__(self, "segment_bytes", self.read_bytes)
+        if self.segment_stride is None:
+            object.__setattr__(self, "segment_stride", self.segment_bytes)
+
+    def _check_segments(self) -> None:
+        off, rb, seg, stride = self.byte_offset, self.read_bytes, self.segment_bytes, self.segment_stride
+        for name, value in (("segment_bytes", seg), ("segment_stride", stride)):
+            if value <= 0 or value % 16:
+                raise ValueError(f"RealKvSource.{name} must be a positive multiple of 16; got {name}={value}")
+        if rb % seg or stride < seg:
+            raise ValueError(
+                "RealKvSource: read_bytes must be a whole number of segments, and segment_stride >= segment_bytes; "
+                f"got read_bytes={rb}, segment_bytes={seg}, segment_stride={stride}"
+            )
+        end = off + (rb // seg - 1) * stride + seg
+        if end > self.num_bytes_per_token:
+            raise ValueError(
+                f"RealKvSource: the folded bytes end at byte {end} of the token, past num_bytes_per_token="
+                f"{self.num_bytes_per_token} (byte_offset={off}, read_bytes={rb}, segment_bytes={seg}, "
+                f"segment_stride={stride})"
+            )
+
+    @property
+    def contiguous(self) -> bool:
+        """Whether the folded bytes are one run (no segments)."""
+        return self.segment_bytes == self.read_bytes
 
     @property
     def num_token_slots(self) -> int:
@@ -73,7 +124,7 @@ class RealKvSource:
         return int(self.data.shape[0]) * self.page_size
 
 
-_META_FIELDS = ("page_size", "num_bytes_per_token", "read_bytes")
+_META_FIELDS = ("page_size", "num_bytes_per_token", "read_bytes", "byte_offset", "segment_bytes", "segment_stride")
 
 
 def _flatten_with_keys(source: RealKvSource):
@@ -172,8 +223,52 @@ def fold_source_into(outer: hash64.U64, one: hash64.U64) -> hash64.U64:
 
 
 def slot_word_offset(source: RealKvSource, slots: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """(page row, first u32 word) of each slot's bytes: ``(s // page_size, (s % page_size) * bpt / 4)``."""
-    return slots // source.page_size, (slots % source.page_size) * (source.num_bytes_per_token // 4)
+    """(page row, first u32 word) of each slot's folded bytes: ``(s // ps, ((s % ps) * bpt + byte_offset) / 4)``."""
+    token_word = (slots % source.page_size) * (source.num_bytes_per_token // 4)
+    return slots // source.page_size, token_word + source.byte_offset // 4
+
+
+def chunk_word(source: RealKvSource, chunk) -> jax.Array:
+    """Word offset of 16-byte chunk ``chunk`` (static or traced) from a slot's first folded word."""
+    if source.contiguous:
+        return chunk * _WORDS_PER_CHUNK
+    per_segment = source.segment_bytes // _CHUNK
+    return (chunk // per_segment) * (source.segment_stride // 4) + (chunk % per_segment) * _WORDS_PER_CHUNK
+
+
+def load_words(data: jax.Array, row: jax.Array, first_word: jax.Array, count: int) -> tuple[jax.Array, ...]:
+    """Little-endian u32 words ``first_word .. first_word + count - 1`` of page row ``row``, as :func:`as_words`.
+
+    One gather reads the elements holding those bytes, one index array per axis of ``data``, and the words are
+    put together from them. Nothing reshapes or bitcasts the whole array (XLA would copy it: a bitcast between
+    widths is a shift-and-or fusion), so a KV array sharded over any axis is read in place too.
+
+    Args:
+      data: ``[pages, ...]`` of a 1/2/4/8-byte dtype.
+      row, first_word: i32[n]; ``first_word`` is 16-byte aligned (even).
+      count: static number of words (even).
+    """
+    itemsize = jnp.dtype(data.dtype).itemsize
+    uint = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}[itemsize]
+    per_word = max(1, 4 // itemsize)
+    if itemsize == 8:
+        flat = first_word[:, None] // 2 + jnp.arange(count // 2, dtype=first_word.dtype)
+    else:
+        flat = first_word[:, None] * per_word + jnp.arange(count * per_word, dtype=first_word.dtype)
+    index = jnp.unravel_index(flat, data.shape[1:])
+    rows = jnp.broadcast_to(row[:, None], flat.shape)
+    # Same-width bitcast first: a free view that keeps the sharding, and no float op can quiet a NaN payload.
+    elements = mesh.take(lax.bitcast_convert_type(data, uint), (rows, *index))  # [n, elements]
+    if itemsize == 8:
+        halves = (elements.astype(jnp.uint32), (elements >> jnp.uint64(32)).astype(jnp.uint32))
+        return tuple(halves[k % 2][:, k // 2] for k in range(count))
+    words = []
+    for k in range(count):
+        word = elements[:, k * per_word].astype(jnp.uint32)
+        for j in range(1, per_word):
+            word = word | (elements[:, k * per_word + j].astype(jnp.uint32) << jnp.uint32(8 * itemsize * j))
+        words.append(word)
+    return tuple(words)
 
 
 def _fold_step(load_chunk, i: int, chunk, acc: hash64.U64) -> hash64.U64:
@@ -207,37 +302,45 @@ def fold_loaded(
     return outer
 
 
-@functools.partial(jax.jit, static_argnames="mode")
-def _fold_jnp(sources, slots: jax.Array, mode: int) -> hash64.U64:
-    """:func:`fold_slots` from the sources' jnp word views. A jit of its own: the loop body closes over the views,
-    and ``lax.fori_loop`` caches its body by identity, so a fresh closure per caller trace would add a cache entry
-    on every trace; here one is made per shape only."""
-    views = [as_words(src.data) for src in sources]
-    offsets = [slot_word_offset(src, slots) for src in sources]
-
-    def load_chunk(i, chunk):
-        row, word = offsets[i]
-        base = word + chunk * _WORDS_PER_CHUNK
-        return tuple(views[i][row, base + k] for k in range(_WORDS_PER_CHUNK))
-
-    return fold_loaded(sources, slots, mode, load_chunk)
-
-
 def fold_slots(
     sources: Sequence[RealKvSource],
     slots: jax.Array,
     mode: int,
-    load_chunk: Callable[[int, jax.Array, jax.Array, jax.Array], tuple[jax.Array, ...]] | None = None,
+    load_chunk: Callable[[int, jax.Array, jax.Array], tuple[jax.Array, ...]] | None = None,
 ) -> hash64.U64:
     """REAL_KV_HASH of each slot in ``slots`` (any shape); 0 when the mode is NONE or there are no sources.
 
-    ``load_chunk(source_index, row, word, chunk)`` returns the 4 words of one chunk; the default gathers them
-    from the jnp word view, and a Pallas kernel passes a ref-loading function instead (kernel bodies are traced
-    once per jitted wrapper trace, so their closures are bounded the same way).
+    ``load_chunk(source_index, row, first_word)`` returns the 4 words of the chunk starting at ``first_word`` of
+    page row ``row``. The default gathers them from the source's own elements (:func:`load_words`), which also
+    reads sources typed with an explicit mesh sharding in place; a Pallas kernel passes a ref-loading function
+    (kernel bodies are traced once per jitted wrapper trace, so their loop bodies are bounded too).
     """
     if mode == layout.REAL_KV_NONE or not sources:
         return hash64.const(0, slots)
     if load_chunk is None:
-        return _fold_jnp(tuple(sources), slots, mode)
+        with mesh.context([s.data for s in sources], slots):
+            return _fold_jnp(tuple(sources), mesh.replicate(slots), mode)
+    return _fold_slots(sources, slots, mode, load_chunk)
+
+
+@functools.partial(jax.jit, static_argnames="mode")
+def _fold_jnp(sources, slots: jax.Array, mode: int) -> hash64.U64:
+    """:func:`fold_slots` gathering from the sources' own elements. A jit of its own: the loop body closes over
+    the sources, and ``lax.fori_loop`` caches its body by identity, so a fresh closure per caller trace would add
+    a cache entry on every trace; here one is made per shape only."""
+
+    def load_chunk(i, row, first):
+        words = load_words(sources[i].data, row.reshape(-1), first.reshape(-1), _WORDS_PER_CHUNK)
+        return tuple(w.reshape(row.shape) for w in words)
+
+    return _fold_slots(sources, slots, mode, load_chunk)
+
+
+def _fold_slots(sources, slots, mode, load_chunk):
     offsets = [slot_word_offset(src, slots) for src in sources]
-    return fold_loaded(sources, slots, mode, lambda i, chunk: load_chunk(i, *offsets[i], chunk))
+
+    def load(i, chunk):
+        row, word = offsets[i]
+        return load_chunk(i, row, word + chunk_word(sources[i], chunk))
+
+    return fold_loaded(sources, slots, mode, load)

@@ -75,3 +75,30 @@ def test_the_wrap_snippet_catches_a_corrupted_slot():
 
 def test_the_core_ops_snippet_runs_as_written():
     _run(_python_block("The core ops in one screen"), "core_ops")
+
+
+SGLANG_TEST_COMMAND = 'pip install -e ".[test,sglang-jax]" && pytest'
+
+
+def test_ci_runs_the_readme_sglang_jax_command():
+    script = (ROOT / ".ci" / "run").read_text()
+    match = re.search(r"^SGLANG_TEST_COMMAND='([^']*)'$", script, flags=re.M)
+    assert match, "SGLANG_TEST_COMMAND='...' not found in .ci/run"
+    assert match.group(1) == SGLANG_TEST_COMMAND
+    assert SGLANG_TEST_COMMAND in _readme_commands()
+    assert 'TEST_COMMAND="${SGLANG_TEST_COMMAND}"' in script, ".ci/run must run SGLANG_TEST_COMMAND in a leg"
+
+
+def test_the_sglang_jax_snippet_is_at_most_ten_lines():
+    code = _python_block("Wrap sglang-jax")
+    lines = [line for line in code.splitlines() if line.strip() and not line.lstrip().startswith("#")]
+    assert len(lines) <= 10, lines
+
+
+def test_the_sglang_jax_snippet_runs_on_the_engine_and_is_clean():
+    pytest.importorskip("sgl_jax", reason="the sglang-jax extra is not installed")
+    namespace = {"__name__": "readme_sglang_jax"}
+    exec(compile(_python_block("Wrap sglang-jax"), "README.md (sglang-jax)", "exec"), namespace)
+    guard = namespace["guard"]
+    assert guard.steps >= 50 and guard.monitor.observed == []
+    assert guard.final_check().write_index == 0

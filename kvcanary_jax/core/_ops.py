@@ -26,7 +26,7 @@ from kvcanary_jax.core._config import parse_real_kv_hash_mode
 from kvcanary_jax.core._constants import RealKvHashMode
 from kvcanary_jax.core._plans import VerifyPlan, WritePlan
 from kvcanary_jax.core._state import CanaryDeviceState, ViolationLog
-from pallas_kernels import checks, hash64, layout, realkv, records
+from pallas_kernels import checks, hash64, layout, mesh, realkv, records
 from pallas_kernels.phase import api as phase_api
 from pallas_kernels.verify import api as verify_api
 from pallas_kernels.write import api as write_api
@@ -313,6 +313,7 @@ def _host_arrays_to_jax(tree):
     return jax.tree.map(lambda x: jnp.asarray(x) if isinstance(x, np.ndarray) else x, tree)
 
 
+@mesh.entry_point("state", "canary_buf", "plan")  # explicitly sharded inputs: see pallas_kernels.mesh
 def canary_verify(
     state: CanaryDeviceState,
     canary_buf: jax.Array,
@@ -370,6 +371,16 @@ def canary_verify(
     return commit(state, launch)
 
 
+@mesh.entry_point(
+    "state",
+    "canary_buf",
+    "plan",
+    "input_ids",
+    "positions",
+    "out_cache_loc",
+    "expected_input_tokens",
+    "expected_input_positions",
+)
 def canary_write(
     state: CanaryDeviceState,
     canary_buf: jax.Array,

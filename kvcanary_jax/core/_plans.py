@@ -10,7 +10,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import checks, prefix
+from pallas_kernels import checks, mesh, prefix
 
 
 @jax.tree_util.register_dataclass
@@ -114,6 +114,15 @@ def _validate(
     return bs
 
 
+@mesh.entry_point(  # batch arrays typed P("data") on an explicit mesh: plans from replicated copies
+    "req_pool_indices",
+    "prefix_lens",
+    "extend_lens",
+    "req_to_token",
+    "full_to_swa_index_mapping",
+    "req_to_verify_expected_tokens",
+    "expected_tokens_valid_lens",
+)
 def build_plans(
     req_pool_indices: jax.Array,
     prefix_lens: jax.Array,
@@ -131,8 +140,9 @@ def build_plans(
     """Builds this step's verify and write plans on device, exactly as SGLang's plan kernels do.
 
     Args:
-      req_pool_indices: i32[bs] row of each request in ``req_to_token``; 0 marks a padding row. Padding rows must
-        come after every real row (as with CUDA-graph padding), since they add no tokens.
+      req_pool_indices: i32[bs] row of each request in ``req_to_token``; 0 marks a padding row. Padding rows own no
+        tokens, so they may sit anywhere (after the real rows, as with CUDA-graph padding, or interleaved, as
+        sglang-jax pads each data-parallel rank's rows).
       prefix_lens: i32[bs] tokens already cached before this step.
       extend_lens: i32[bs] tokens this step writes.
       req_to_token: i32[max_reqs, max_context_len] slot of each (request row, position).

@@ -33,7 +33,7 @@ from kvcanary_jax.core._constants import CanaryLaunchTag, Half, Phase, RealKvHas
 from kvcanary_jax.core._state import CanaryDeviceState, allocate_canary_buffer
 from kvcanary_jax.runtime import _inputs, _pool, _sweep
 from kvcanary_jax.runtime._batch import CanaryBatch, CanaryState
-from pallas_kernels import checks, realkv
+from pallas_kernels import checks, mesh, realkv
 from pallas_kernels.phase import api as phase_api
 
 _REQUIRED_FIELDS = (
@@ -193,6 +193,7 @@ class KvCanary:
             sources[name] = () if g is None else _pool.as_sources(name, value, g.page_size, g.num_slots)
         return _pool.KvSources(**sources)
 
+    @mesh.entry_point("state", "batch")  # explicitly sharded inputs (sglang-jax's): see pallas_kernels.mesh
     def before_forward(self, state: CanaryState, batch: CanaryBatch) -> CanaryState:
         """HEAD launches, before the model writes KV: per group, build plans; per half, verify then write.
 
@@ -216,6 +217,7 @@ class KvCanary:
             state = self._forward_phase(state, batch, rows, g, Phase.HEAD, _pool.KvSources())
         return state
 
+    @mesh.entry_point("state", "batch")  # KV sources are read in place, never resharded
     def after_forward(self, state: CanaryState, batch: CanaryBatch, kv_cache_sources: _pool.KvSources) -> CanaryState:
         """TAIL launches, after the forward: per group and half, verify (with real KV) then write (folding real KV).
 
@@ -264,6 +266,7 @@ class KvCanary:
             swa_plan = _sweep.pack_entries(swa_entries, rest[0].num_slots, what="SWA sweep")
         return _sweep.SweepPlan(full=full_plan, swa=swa_plan)
 
+    @mesh.entry_point("state", "plan")
     def sweep(self, state: CanaryState, plan: _sweep.SweepPlan, kv_cache_sources: _pool.KvSources) -> CanaryState:
         """SWEEP launches: verify every prefix-cached slot against the TAIL buffers, with real KV.
 

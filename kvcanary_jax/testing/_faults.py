@@ -34,7 +34,7 @@ from jax import lax
 
 from kvcanary_jax.core._constants import CanaryLaunchTag, FailReason, Half, Phase, PoolKind, launch_tag
 from kvcanary_jax.runtime._pool import check_paged_kv
-from pallas_kernels import checks
+from pallas_kernels import checks, mesh
 
 
 class FaultKind(enum.Enum):
@@ -76,13 +76,21 @@ def _token_row_bytes(kv: jax.Array, page_size: int) -> int:
 
 
 def _flip_bytes(kv: jax.Array, page: jax.Array, cols: jax.Array) -> jax.Array:
-    """XORs bytes ``cols`` (i32[n]) of page row ``page`` with 0xFF, viewing the array as raw bytes."""
-    pages, itemsize = kv.shape[0], jnp.dtype(kv.dtype).itemsize
-    as_bytes = lax.bitcast_convert_type(kv.reshape(pages, -1), jnp.uint8).reshape(pages, -1)
-    flipped = as_bytes.at[page, cols].set(as_bytes[page, cols] ^ jnp.uint8(0xFF))
-    if itemsize > 1:
-        flipped = flipped.reshape(pages, -1, itemsize)
-    return lax.bitcast_convert_type(flipped, kv.dtype).reshape(kv.shape)
+    """XORs bytes ``cols`` (i32[n], distinct) of page row ``page`` with 0xFF.
+
+    Only the elements holding those bytes are read and written back, in a same-width unsigned view: the array keeps
+    its shape and sharding (an explicitly sharded KV pool, as sglang-jax's, is neither reshaped nor resharded), and
+    no float op touches NaN payloads elsewhere in the array.
+    """
+    itemsize = jnp.dtype(kv.dtype).itemsize
+    uint = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}[itemsize]
+    with mesh.context(kv):
+        page, cols = mesh.replicate((jnp.asarray(page, jnp.int32), jnp.asarray(cols, jnp.int32)))
+        index = (jnp.broadcast_to(page, cols.shape), *jnp.unravel_index(cols // itemsize, kv.shape[1:]))
+        bits = lax.bitcast_convert_type(kv, uint)
+        elements = mesh.take(bits, index)  # uint[n]
+        mask = jnp.left_shift(jnp.full(cols.shape, 0xFF, uint), (8 * (cols % itemsize)).astype(uint))
+        return lax.bitcast_convert_type(mesh.set_elements(bits, index, elements ^ mask), kv.dtype)
 
 
 def _check_byte(byte: int, bytes_per_token: int) -> int:
@@ -187,21 +195,26 @@ def remap_slot(req_to_token: jax.Array, pool_row: int, position: int, new_slot: 
     """``req_to_token`` with entry ``[pool_row, position]`` pointing at ``new_slot`` (a wrong page mapping).
 
     ``new_slot`` may be any int32 (an out-of-range one is a fault too); ``pool_row`` and ``position`` must name an
-    entry of the table.
+    entry of the table. Keeps the table's sharding (a page table on an explicit mesh stays where it is).
     """
     table = _int_array("req_to_token", req_to_token, ndim=2)
     _check_index("pool_row", pool_row, table.shape[0], "rows of req_to_token")
     _check_index("position", position, table.shape[1], "columns of req_to_token")
     if not (checks.is_int(new_slot) or (hasattr(new_slot, "dtype") and jnp.issubdtype(new_slot.dtype, jnp.integer))):
         raise TypeError(f"new_slot must be an integer; got new_slot={new_slot!r}")
-    return table.at[pool_row, position].set(new_slot)
+    with mesh.context(table):
+        index = (jnp.asarray([pool_row], jnp.int32), jnp.asarray([position], jnp.int32))
+        return mesh.set_elements(table, index, jnp.asarray([new_slot], table.dtype))
 
 
 def swap_tokens(input_ids: jax.Array, i: int, j: int) -> jax.Array:
-    """``input_ids`` with entries ``i`` and ``j`` swapped (two requests' sampled tokens crossed); ``i != j``."""
+    """``input_ids`` with entries ``i`` and ``j`` swapped (two requests' sampled tokens crossed); ``i != j``. Keeps
+    its sharding."""
     input_ids = _int_array("input_ids", input_ids, ndim=1)
     for name, value in (("i", i), ("j", j)):
         _check_index(name, value, input_ids.shape[0], "token entries of input_ids")
     if checks.is_int(i) and checks.is_int(j) and i == j:
         raise ValueError(f"i and j must be two different token entries; got i=j={i}")
-    return input_ids.at[jnp.array([i, j])].set(input_ids[jnp.array([j, i])])
+    with mesh.context(input_ids):
+        swapped = mesh.take(input_ids, (jnp.asarray([j, i], jnp.int32),))
+        return mesh.set_elements(input_ids, (jnp.asarray([i, j], jnp.int32),), swapped)

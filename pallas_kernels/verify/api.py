@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import backend as backends
-from pallas_kernels import checks, layout, realkv
+from pallas_kernels import checks, layout, mesh, realkv
 from pallas_kernels.verify import pallas_mosaic, pallas_triton, reference
 
 
@@ -31,11 +31,13 @@ def verify(
     ``"xla"`` runs the pure-jnp reference; ``"pallas"`` the fused kernel of ``pallas_triton`` on GPU or of
     ``pallas_mosaic`` on TPU, chosen by the platform lowered for; ``"interpret"`` / ``"interpret_tpu"`` run
     those kernels interpreted, anywhere; ``"auto"`` is ``"pallas"`` on GPU and TPU, else ``"xla"``. All give
-    identical bits.
+    identical bits. Inputs typed with an explicit mesh sharding (e.g. a KV pool sharded over devices) are read in
+    place by ``"xla"``, which ``"auto"`` then picks on every platform.
 
     Raises:
       ValueError, TypeError: for a wrong shape, dtype or static argument (backend name included), naming it.
-      NotImplementedError: ``"pallas"`` lowered for a platform other than GPU or TPU.
+      NotImplementedError: ``"pallas"`` lowered for a platform other than GPU or TPU; a kernel backend given
+        inputs with an explicit mesh sharding.
     """
     entries = {
         "slot_indices": slot_indices,
@@ -55,7 +57,9 @@ def verify(
     static = dict(real_kv_hash_mode=real_kv_hash_mode, check_expected_token=check_expected_token)
 
     def xla(*args):
-        return reference.verify_bits(*args[:-1], real_kv_sources=args[-1], **static)
+        *small, sources = args
+        with mesh.context(small, sources):  # explicit mesh shardings: small inputs replicated, KV read in place
+            return reference.verify_bits(*mesh.replicate(small), real_kv_sources=sources, **static)
 
     def triton(*args, interpret):
         return pallas_triton.verify_bits(*args[:-1], real_kv_sources=args[-1], interpret=interpret, **static)

@@ -68,8 +68,11 @@ def _verify_kernel(
             mosaic_io.record_copy(buf_hbm, slot, rec_ref, e, mosaic_io.semaphore(sems, 0)),
             mosaic_io.record_copy(buf_hbm, prev, prev_rec_ref, e, mosaic_io.semaphore(sems, 1)),
             *(
-                mosaic_io.kv_copy(kv_hbm[i], windows[i], slot, kv_refs[i], e, mosaic_io.semaphore(sems, 2 + i))
+                copy
                 for i in range(num_sources)
+                for copy in mosaic_io.kv_copies(
+                    kv_hbm[i], windows[i], slot, kv_refs[i], e, mosaic_io.semaphore(sems, 2 + i)
+                )
             ),
         ]
 

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import backend as backends
-from pallas_kernels import checks, layout, realkv, records
+from pallas_kernels import checks, layout, mesh, realkv, records
 from pallas_kernels.write import pallas_mosaic, pallas_triton, reference, store
 
 
@@ -49,11 +49,13 @@ def write(
     ``"xla"`` runs the pure-jnp chain and the shared store; ``"pallas"`` the kernels of ``pallas_triton`` on GPU
     or of ``pallas_mosaic`` on TPU, chosen by the platform lowered for; ``"interpret"`` / ``"interpret_tpu"``
     run those kernels interpreted, anywhere; ``"auto"`` is ``"pallas"`` on GPU and TPU, else ``"xla"``. All
-    give identical bytes.
+    give identical bytes. Inputs typed with an explicit mesh sharding are read in place by ``"xla"``, which
+    ``"auto"`` then picks on every platform.
 
     Raises:
       ValueError, TypeError: for a wrong shape, dtype or static argument (backend name included), naming it.
-      NotImplementedError: ``"pallas"`` lowered for a platform other than GPU or TPU.
+      NotImplementedError: ``"pallas"`` lowered for a platform other than GPU or TPU; a kernel backend given
+        inputs with an explicit mesh sharding.
     """
     num_slots = checks.canary_buffer(canary_buf)
     checks.array("seed_slot_indices", seed_slot_indices, dtype=jnp.int32, ndim=1)
@@ -69,7 +71,9 @@ def write(
     checks.static_int("real_kv_hash_mode", real_kv_hash_mode, maximum=layout.REAL_KV_ALL + 1)
 
     def xla(*args):
-        return _xla_write(*args, real_kv_hash_mode=real_kv_hash_mode)
+        *small, sources = args
+        with mesh.context(small, sources):  # explicit mesh shardings: small inputs replicated, KV read in place
+            return _xla_write(*mesh.replicate(small), sources, real_kv_hash_mode=real_kv_hash_mode)
 
     def triton(*args, interpret):
         return pallas_triton.write(

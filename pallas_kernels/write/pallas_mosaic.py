@@ -175,10 +175,11 @@ def _store_kernel(
         mosaic_io.gather(
             count,
             lambda e: [
-                mosaic_io.kv_copy(
+                copy
+                for i in range(num_sources)
+                for copy in mosaic_io.kv_copies(
                     kv_hbm[i], windows[i], loc_ref[base + e], kv_refs[i], e, mosaic_io.semaphore(sems, 1 + i)
                 )
-                for i in range(num_sources)
             ],
             when=stored,
         )

@@ -23,13 +23,17 @@ from pallas_kernels.write import api as write_api
 
 @dataclasses.dataclass(frozen=True)
 class SourceSpec:
-    """One real-KV source: dtype name, page size, bytes per token, read bytes and unused bytes per page row."""
+    """One real-KV source: dtype name, page size, bytes per token, read bytes and unused bytes per page row; and
+    where in the token the folded bytes sit (offset, segments of a stride), as ``RealKvSource`` takes them."""
 
     dtype: str
     page_size: int
     num_bytes_per_token: int
     read_bytes: int
     row_padding: int = 0
+    byte_offset: int = 0
+    segment_bytes: int | None = None
+    segment_stride: int | None = None
 
 
 def _np_dtype(name: str) -> np.dtype:
@@ -46,7 +50,15 @@ def make_sources(rng: np.random.Generator, num_slots: int, specs) -> tuple[realk
         raw = rng.integers(0, 256, (pages, row_bytes), dtype=np.uint8)
         data = raw.view(dtype).reshape(pages, row_bytes // dtype.itemsize)
         sources.append(
-            realkv.RealKvSource(jnp.asarray(data), spec.page_size, spec.num_bytes_per_token, spec.read_bytes)
+            realkv.RealKvSource(
+                jnp.asarray(data),
+                spec.page_size,
+                spec.num_bytes_per_token,
+                spec.read_bytes,
+                spec.byte_offset,
+                spec.segment_bytes,
+                spec.segment_stride,
+            )
         )
     return tuple(sources)
 

@@ -1,5 +1,8 @@
 """Runs the sharded cases on 4 and 8 fake CPU devices, and ``demo --devices 4``, each in its own subprocess.
 
+The 4-device run also runs the explicit-mesh tests (ops, runner and injectors on arrays typed with a mesh
+sharding, as sglang-jax's), which pick a 2 x 2 mesh when they see 4 devices and a 1 x 1 mesh in this process.
+
 ``--xla_force_host_platform_device_count`` only takes effect before jax initialises, so the cases cannot run in this
 process (the rest of the suite has already initialised jax with one device). The subprocesses start at once: the
 cost is XLA compiles, which are single-threaded, so they share a 2-core machine well.
@@ -14,12 +17,16 @@ import sys
 HERE = pathlib.Path(__file__).resolve().parent
 CASES = ("sharded_core_cases.py", "sharded_runner_cases.py")
 DEVICE_COUNTS = (4, 8)
+EXPLICIT_MESH_CASES = ("pallas_kernels/test_explicit_mesh.py", "runtime/test_explicit_mesh.py")  # 2 x 2 on 4
 
 
 def _start(devices: int) -> subprocess.Popen:
     flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={devices}".strip()
     env = {**os.environ, "XLA_FLAGS": flags, "KVCANARY_TEST_DEVICES": str(devices), "JAX_PLATFORMS": "cpu"}
-    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *(str(HERE / c) for c in CASES)]
+    cases = [str(HERE / c) for c in CASES]
+    if devices == 4:
+        cases += [str(HERE.parent / c) for c in EXPLICIT_MESH_CASES]
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *cases]
     return subprocess.Popen(
         command, env=env, cwd=HERE.parents[1], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )

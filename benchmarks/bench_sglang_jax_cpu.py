@@ -1,0 +1,113 @@
+"""Step time of sglang-jax on CPU, engine alone vs wrapped by kvcanary_jax.integrations.sglang_jax, after compile.
+
+    python benchmarks/bench_sglang_jax_cpu.py [--reps 5] [--page-size 1] [--json out.json]
+
+Needs the sglang-jax extra. The tiny random Llama of the demo, the same workload (prefills mixed with running decodes,
+then decodes) run alone and wrapped, interleaved, after one warm-up run of each (compiles). A step is timed from before
+the forward to the sampled ids on the host (wrapped: plus the canary state ready and the monitor's ``after_step``).
+Per run: the median per step kind (prefill = EXTEND, decode = DECODE), each kind's first 2 steps dropped; then the
+median over runs. Both wall and process CPU time (all threads) are reported: on a shared machine CPU time is steadier.
+The radix-cache sweep is timed on its own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import jax
+
+from kvcanary_jax import CanaryConfig
+from kvcanary_jax.demo import sglang_engine
+from kvcanary_jax.integrations import sglang_jax
+
+# The demo's config without the periodic sweep (timed apart): raise mode, real KV PARTIAL, both token asserts.
+CONFIG = CanaryConfig(mode="raise", real_kv_hash_mode="partial", sweep_interval=0, enable_write_input_assert=True,
+                      enable_verify_token_assert=True)  # fmt: skip
+
+
+def run_once(worker, wrapped: bool, seed: int) -> tuple[dict, object]:
+    """One workload run; returns ``{kind: [(wall_s, cpu_s), ...]}`` and the scheduler."""
+    sched = sglang_engine.MiniScheduler(worker, sglang_engine.workload(seed))
+    guard = sglang_jax.wrap(worker, CONFIG, tree_cache=sched.tree_cache) if wrapped else None
+    times: dict[str, list] = {"prefill": [], "decode": []}
+    try:
+        for batch in sched:
+            kind = "prefill" if batch.forward_mode.is_extend() else "decode"
+            wall, cpu = time.perf_counter(), time.process_time()
+            if guard:
+                guard.expect(batch)
+            sched.run_batch(batch)  # the sampled ids come back to the host
+            if guard:
+                jax.block_until_ready(guard.state)
+                guard.after_step()
+            times[kind].append((time.perf_counter() - wall, time.process_time() - cpu))
+        if guard:
+            guard.final_check()
+    finally:
+        if guard:
+            guard.unwrap()
+    return times, sched
+
+
+def medians(times: dict) -> dict:
+    """Median wall and CPU ms per step kind, each kind's first 2 steps dropped."""
+    out = {}
+    for kind, rows in times.items():
+        rows = rows[2:]
+        out[f"{kind} wall ms"] = 1e3 * statistics.median(r[0] for r in rows)
+        out[f"{kind} cpu ms"] = 1e3 * statistics.median(r[1] for r in rows)
+        out[f"{kind} steps"] = len(rows)
+    return out
+
+
+def sweep_ms(worker, sched, reps: int = 5) -> tuple[float, int]:
+    """Median wall ms of one sweep of everything the radix cache holds (after a warm-up sweep), and its slots."""
+    guard = sglang_jax.wrap(worker, CONFIG, tree_cache=sched.tree_cache)
+    try:
+        guard.sweep()
+        jax.block_until_ready(guard.state)
+        samples = []
+        for _ in range(reps):
+            start = time.perf_counter()
+            guard.sweep()
+            jax.block_until_ready(guard.state)
+            samples.append(time.perf_counter() - start)
+    finally:
+        guard.unwrap()
+    return 1e3 * statistics.median(samples), len(sglang_jax.radix_entries(sched.tree_cache).slots)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--page-size", type=int, default=1)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", default=None, help="also write the results here")
+    args = parser.parse_args()
+    worker, _ = sglang_engine.tiny_engine(args.page_size, seed=args.seed)
+    for wrapped in (False, True):  # compile both
+        run_once(worker, wrapped, args.seed)
+    runs: dict[str, list] = {"alone": [], "wrapped": []}
+    for _ in range(args.reps):
+        for name in runs:
+            times, sched = run_once(worker, name == "wrapped", args.seed)
+            runs[name].append(medians(times))
+    summary = {name: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for name, rs in runs.items()}
+    sweep, slots = sweep_ms(worker, sched)
+    print(f"sglang-jax tiny Llama, CPU, page size {args.page_size}, {args.reps} runs each, jax {jax.__version__}")
+    print(f"{'per step (median)':<20}{'alone':>12}{'wrapped':>12}{'cost':>20}")
+    for key in ("prefill cpu ms", "decode cpu ms", "prefill wall ms", "decode wall ms"):
+        a, w = summary["alone"][key], summary["wrapped"][key]
+        print(f"{key:<20}{a:>12.1f}{w:>12.1f}{f'+{w - a:.1f} ms ({(w / a - 1) * 100:+.0f} %)':>20}")
+    print(f"steps per run after compile: prefill {summary['alone']['prefill steps']}, decode "
+          f"{summary['alone']['decode steps']}; one radix sweep ({slots} slots): {sweep:.1f} ms wall")  # fmt: skip
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"summary": summary, "runs": runs, "sweep_ms": sweep, "sweep_slots": slots}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,204 @@
+"""A real engine for the demo and the tests: sglang-jax's Llama, tiny and random, on CPU, driven in-process.
+
+Needs the ``sglang-jax`` extra (Python >= 3.12). :func:`tiny_engine` writes a small Llama ``config.json`` (no hub,
+dummy load, then random weights: dummy weights give an all-zero KV cache), builds the engine's own ``ModelWorker``
+with one padding bucket per mode (nothing recompiles per step), and :class:`MiniScheduler` drives it with the
+engine's own ``ScheduleBatch`` helpers and ``RadixCache``, as ``Scheduler.get_new_batch_prefill`` /
+``update_running_batch`` / ``run_batch`` / ``process_batch_result_*`` do (overlap off, one DP rank).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import pathlib
+import tempfile
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from sgl_jax.srt.managers.schedule_batch import Req, ScheduleBatch
+from sgl_jax.srt.managers.tp_worker import ModelWorker
+from sgl_jax.srt.mem_cache.common import release_kv_cache
+from sgl_jax.srt.mem_cache.radix_cache import RadixCache
+from sgl_jax.srt.sampling.sampling_params import SamplingParams
+from sgl_jax.srt.server_args import ServerArgs
+from sgl_jax.srt.utils.mesh_utils import create_device_mesh
+
+# head_dim 128: the native attention backend pads head_dim to 128 and breaks below it.
+TINY_LLAMA = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 256, "intermediate_size": 512,
+    "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 128, "vocab_size": 512,
+    "max_position_embeddings": 512, "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "hidden_act": "silu",
+    "tie_word_embeddings": False, "torch_dtype": "bfloat16", "bos_token_id": 1, "eos_token_id": 2,
+}  # fmt: skip
+MAX_RUNNING, TOKEN_BUCKET, MAX_TOTAL_TOKENS = 16, 256, 2048
+
+
+def write_tiny_llama(directory: str | os.PathLike) -> str:
+    """Writes the tiny Llama's ``config.json`` into ``directory``; returns the model path."""
+    path = pathlib.Path(directory)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(TINY_LLAMA, indent=1))
+    return str(path)
+
+
+def build_worker(model_path: str, *, page_size: int = 1, seed: int = 0) -> ModelWorker:
+    """The engine's ``ModelWorker`` on CPU (it builds the ``ModelRunner`` and the padding buckets), random weights."""
+    args = ServerArgs(
+        model_path=model_path, device="cpu", attention_backend="native", load_format="dummy",
+        skip_tokenizer_init=True, dtype="bfloat16", page_size=page_size, max_running_requests=MAX_RUNNING,
+        max_total_tokens=MAX_TOTAL_TOKENS, max_prefill_tokens=TOKEN_BUCKET, chunked_prefill_size=TOKEN_BUCKET,
+        precompile_bs_paddings=[MAX_RUNNING], precompile_token_paddings=[TOKEN_BUCKET],
+        disable_overlap_schedule=True, disable_precompile=True, random_seed=seed, tp_size=1, dp_size=1,
+    )  # fmt: skip
+    mesh = create_device_mesh(ici_parallelism=[1, 1], dcn_parallelism=[1, 1])  # every axis Explicit
+    worker = ModelWorker(server_args=args, mesh=mesh)
+    randomize_weights(worker.model_runner, seed=seed)
+    return worker
+
+
+def randomize_weights(runner, *, seed: int = 0, scale: float = 0.05) -> None:
+    """Replaces every float leaf of the model state in place (keeping its sharding): N(0, scale), norms near 1."""
+    leaves = runner.model_state_leaves  # the engine reads this list at each call
+    key = jax.random.key(seed)
+    for i, x in enumerate(leaves):
+        if isinstance(x, jax.Array) and jnp.issubdtype(x.dtype, jnp.floating) and x.size:
+            key, sub = jax.random.split(key)
+            noise = jax.random.normal(sub, x.shape, jnp.float32) * scale + (1.0 if x.ndim == 1 else 0.0)
+            leaves[i] = jax.device_put(noise.astype(x.dtype), x.sharding)
+
+
+@dataclasses.dataclass(frozen=True)
+class Arrival:
+    step: int
+    rid: str
+    prompt: list
+    max_new_tokens: int
+
+
+def workload(seed: int = 0, num_requests: int = 16) -> list[Arrival]:
+    """Requests on two shared system prompts (later ones reuse prefixes the radix cache holds), a few short ones
+    early (their slots become idle cache), then one new request every 3 steps."""
+    rng = np.random.default_rng(seed)
+    systems = [list(map(int, rng.integers(3, 500, 20))), list(map(int, rng.integers(3, 500, 13)))]
+    out = []
+    for i in range(num_requests):
+        prompt = systems[i % 2] + list(map(int, rng.integers(3, 500, int(rng.integers(2, 10)))))
+        new = int(rng.integers(3, 6)) if i in (1, 2) else int(rng.integers(12, 24))
+        out.append(Arrival(0 if i < 4 else 3 * (i - 3), f"req{i}", prompt, new))
+    return out
+
+
+class MiniScheduler:
+    """The engine's scheduling, in-process: admit requests (radix match, prefill mixed with the running decodes),
+    decode, finish or cache, all with the engine's own helpers. Iterating yields one ``ScheduleBatch`` per step.
+
+    Attributes:
+      worker: the ``ModelWorker``; tree_cache: the ``RadixCache``; step: steps run so far.
+    """
+
+    def __init__(self, worker: ModelWorker, arrivals: list[Arrival] | None = None):
+        self.worker, self.runner = worker, worker.model_runner
+        self.page_size = self.runner.page_size
+        self.req_to_token_pool, self.allocator = worker.get_memory_pool()
+        self.req_to_token_pool.clear()  # a fresh start on a reused worker
+        self.allocator.clear()
+        self.tree_cache = RadixCache(req_to_token_pool=self.req_to_token_pool,
+                                     token_to_kv_pool_allocator=self.allocator, page_size=self.page_size)  # fmt: skip
+        self.paddings = worker.get_precompile_paddings()
+        self.pending = list(arrivals if arrivals is not None else workload())
+        self.waiting: list[Req] = []
+        self.running: ScheduleBatch | None = None
+        self.finished: list[Req] = []
+        self.step = 0
+
+    def __iter__(self):
+        while True:
+            batch = self.next_batch()
+            if batch is None:
+                return
+            yield batch
+
+    def running_reqs(self) -> list:
+        return list(self.running.reqs_info[0].reqs) if self.running is not None and not self.running.is_empty() else []
+
+    def next_batch(self, max_new: int = 4) -> ScheduleBatch | None:
+        """Admits the step's arrivals; returns a prefill (mixed with the running decodes) or a decode batch."""
+        while self.pending and self.pending[0].step <= self.step:
+            a = self.pending.pop(0)
+            params = SamplingParams(temperature=0, max_new_tokens=a.max_new_tokens)
+            req = Req(rid=a.rid, origin_input_text="", origin_input_ids=list(a.prompt), sampling_params=params,
+                      vocab_size=self.runner.model_config.vocab_size)  # fmt: skip
+            req.sampling_params.normalize(None)
+            self.waiting.append(req)
+        if self.running is not None:
+            self.running.filter_batch()  # drop the requests the last step finished
+        running = self.running_reqs()
+        room = MAX_RUNNING - len(running)
+        if self.waiting and room > 0:
+            admitted, self.waiting = self.waiting[: min(room, max_new)], self.waiting[min(room, max_new) :]
+            for req in admitted:
+                req.init_next_round_input(self.tree_cache)  # radix match: prefix_indices, last_node
+                self.tree_cache.inc_lock_ref(req.last_node)
+            batch = ScheduleBatch.init_new([admitted], self.req_to_token_pool, self.allocator, self.tree_cache,
+                                           self.runner.model_config, enable_overlap=False, dp_size=1,
+                                           mesh=self.runner.mesh)  # fmt: skip
+            batch.prepare_for_extend()
+            if running:  # one EXTEND batch: the new prompts plus one token of every running request
+                self.running.prepare_for_decode()
+                batch.mix_with_running(self.running)
+                batch.reqs_info[0].decoding_reqs = self.running.reqs_info[0].reqs
+                self.running = None
+            return batch
+        if not running:
+            return None if not self.pending else self._idle_step()
+        self.running.prepare_for_decode()
+        return self.running
+
+    def _idle_step(self):
+        self.step = self.pending[0].step
+        return self.next_batch()
+
+    def model_worker_batch(self, batch: ScheduleBatch):
+        """``ScheduleBatch.get_model_worker_batch`` with the worker's padding buckets."""
+        return batch.get_model_worker_batch(*self.paddings, self.page_size)
+
+    def run_batch(self, batch: ScheduleBatch, model_worker_batch=None) -> np.ndarray:
+        """As ``Scheduler.run_batch`` then ``process_batch_result``: forward and sample, then the requests' results."""
+        mwb = model_worker_batch if model_worker_batch is not None else self.model_worker_batch(batch)
+        _, next_ids, _ = self.worker.forward_batch_generation(mwb)
+        next_ids = np.asarray(jax.device_get(next_ids))
+        self.process_result(batch, next_ids)
+        return next_ids
+
+    def process_result(self, batch: ScheduleBatch, next_ids: np.ndarray) -> None:
+        """Appends each request's token; finished requests go to the radix cache, new prefills are cached."""
+        info = batch.reqs_info[0]
+        decoding = {id(r) for r in info.decoding_reqs or []}
+        is_extend = batch.forward_mode.is_extend()
+        for req, token in zip(info.reqs, next_ids[: len(info.reqs)], strict=True):
+            req.output_ids.append(int(token))
+            req.check_finished()
+            if req.finished():
+                release_kv_cache(req, self.tree_cache)
+                self.finished.append(req)
+            elif is_extend and id(req) not in decoding:
+                self.tree_cache.cache_unfinished_req(req)  # others can match its prompt now
+        info.output_ids = np.asarray(next_ids[: len(info.reqs)], np.int32)
+        if is_extend:
+            batch.filter_batch()
+            if not batch.is_empty():
+                if self.running is None or self.running.is_empty():
+                    self.running = batch
+                else:
+                    self.running.merge_batch(batch)
+        self.step += 1
+
+
+def tiny_engine(page_size: int = 1, *, model_dir: str | None = None, seed: int = 0):
+    """``(worker, scheduler)``: the tiny Llama's ``ModelWorker`` and a :class:`MiniScheduler` over the workload."""
+    path = write_tiny_llama(model_dir or tempfile.mkdtemp(prefix="kvcanary_tiny_llama_"))
+    worker = build_worker(path, page_size=page_size, seed=seed)
+    return worker, MiniScheduler(worker, workload(seed))

@@ -1,0 +1,447 @@
+"""kvcanary-jax around sglang-jax's ``ModelRunner``: HEAD before and TAIL after every forward, in jits of their own.
+
+Wrap the ``ModelWorker`` your scheduler calls::
+
+    guard = wrap(worker, kc.CanaryConfig(mode="raise", real_kv_hash_mode="partial"), tree_cache=tree_cache)
+    for batch in ...:  # each ScheduleBatch, as Scheduler.run_batch gets it
+        guard.expect(batch)  # the requests' own token history (needed by the token asserts)
+        worker.forward_batch_generation(batch.get_model_worker_batch(...))  # ModelRunner.forward runs the canary
+        ...  # the scheduler's own result processing
+        guard.after_step()  # the radix-cache sweep when due; the lagged, non-blocking report check
+
+What the engine's batch becomes (all on device, inside the HEAD / TAIL jits):
+
+* rows: batch row ``b`` of a real request is canary row ``b``; padding rows (``req_pool_indices == -1``, anywhere
+  in the batch) are ``-1``, the pool's ``padding="negative"`` convention. The engine's own pool row is not used.
+* lengths: EXTEND and MIXED batches carry ``extend_prefix_lens`` / ``extend_seq_lens``; a DECODE row caches
+  ``seq_lens - 1`` tokens and writes 1.
+* the page table: built from ``ForwardBatch.cache_loc``, the slots attention reads (each row's ``seq_lens`` slots
+  end to end, every row padded to a whole page), as ``i32[bs, W]``: nothing is uploaded from the host.
+* real KV: layer 0's fused array ``[pages, page_size, 2 * kv_heads // packing, packing, head_dim]`` (K and V
+  alternate per head) read in place as a K source and a V source (a byte offset and a stride; no copy), on the
+  engine's explicit mesh sharding.
+* sweep: every slot the ``RadixCache`` holds (a depth-first walk of its nodes).
+* token oracle: ``req.origin_input_ids + req.output_ids`` of each request, for the write-input assert (the tokens
+  each forward writes) and the verify-token assert (each cached slot's token).
+
+Not mapped (refused with an error): speculative decoding, SWA / MLA / hybrid pools, data parallelism > 1 (each DP
+rank numbers its slots on its own), the overlap scheduler, the fused Pathways forward-and-sample path.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import importlib
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import kvcanary_jax as kc
+
+INSTALL_HINT = (
+    'kvcanary_jax.integrations.sglang_jax needs sglang-jax: pip install "kvcanary-jax[sglang-jax]" '
+    "(Python >= 3.12; it installs sglang-jax[cpu]==0.1.0rc0, the release on jax 0.10.2)"
+)
+_FIELDS = ("input_ids", "positions", "out_cache_loc", "req_pool_indices", "seq_lens", "cache_loc",
+           "extend_prefix_lens", "extend_seq_lens")  # fmt: skip
+_MAPPED_MODES = ("EXTEND", "MIXED", "DECODE")
+_KEEP_REQUESTS = 64  # steps whose batch requests are kept for report lookups
+
+
+def require_sglang_jax():
+    """Imports ``sgl_jax``; raises ``ImportError`` saying how to install the extra when it is missing."""
+    try:
+        return importlib.import_module("sgl_jax")
+    except ImportError as err:
+        raise ImportError(INSTALL_HINT) from err
+
+
+# --- the engine's batch as the canary's (traced) ------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """Static facts of one engine, closed over by the jits.
+
+    Attributes:
+      page_size: slots per KV page.
+      table_width: columns of the device-built page table: the longest sequence, rounded up to a page.
+    """
+
+    page_size: int
+    table_width: int
+
+
+def kv_sources(kv0: jax.Array) -> tuple[kc.RealKvSource, kc.RealKvSource]:
+    """K and V of one fused layer array as two real-KV sources, views of the same array (no copy).
+
+    ``kv0`` is ``[pages, page_size, 2 * kv_heads // packing, packing, head_dim]``: per token, fused head ``j`` sits at
+    byte ``j * head_bytes``, K of head ``h`` at ``j = 2h`` and V at ``2h + 1``.
+    """
+    if kv0.ndim != 5:
+        raise ValueError(
+            "kv0 must be sglang-jax's fused layer array [pages, page_size, 2 * kv_heads // packing, packing, "
+            f"head_dim]; got shape {tuple(kv0.shape)}"
+        )
+    _, page_size, fused, packing, head_dim = kv0.shape
+    head_bytes = head_dim * jnp.dtype(kv0.dtype).itemsize
+    kv_heads = fused * packing // 2
+    common = dict(page_size=page_size, read_bytes=kv_heads * head_bytes, segment_bytes=head_bytes,
+                  segment_stride=2 * head_bytes)  # fmt: skip
+    return kc.RealKvSource(kv0, byte_offset=0, **common), kc.RealKvSource(kv0, byte_offset=head_bytes, **common)
+
+
+def _inclusive_sum(x: jax.Array) -> jax.Array:
+    """``cumsum`` as one ``reduce_window`` (jax 0.12 lowers ``jnp.cumsum`` for CUDA to a while loop)."""
+    n = x.shape[0]
+    return lax.reduce_window(x, jnp.zeros((), x.dtype), lax.add, (n,), (1,), [(n - 1, 0)])
+
+
+def page_table(cache_loc: jax.Array, seq_lens: jax.Array, layout: Layout) -> jax.Array:
+    """i32[bs, W]: row ``b`` holds batch row b's first ``seq_lens[b]`` slots as attention reads them, 0 past them.
+
+    ``cache_loc`` holds every row's slots end to end, each row padded to a whole page (DP = 1).
+    """
+    ps, width = layout.page_size, layout.table_width
+    aligned = (seq_lens + ps - 1) // ps * ps
+    starts = _inclusive_sum(aligned) - aligned
+    col = jnp.arange(width, dtype=jnp.int32)
+    index = jnp.clip(starts[:, None] + col[None, :], 0, cache_loc.shape[0] - 1)
+    return jnp.where(col[None, :] < seq_lens[:, None], cache_loc[index], 0).astype(jnp.int32)
+
+
+def canary_batch(fields: dict, layout: Layout, *, is_decode: bool, oracle: dict) -> kc.CanaryBatch:
+    """The engine's ``ForwardBatch`` arrays (``fields``) as a :class:`kvcanary_jax.CanaryBatch`; traced.
+
+    Args:
+      fields: ``input_ids, positions, out_cache_loc`` (i32[T]), ``req_pool_indices, seq_lens`` (i32[bs]),
+        ``cache_loc``, and for EXTEND / MIXED ``extend_prefix_lens, extend_seq_lens`` (i32[bs]).
+      layout: the engine's :class:`Layout`.
+      is_decode: a DECODE batch (no extend arrays).
+      oracle: ``expected_input_ids`` (i32[T]) and / or ``token_ids`` (i32[max_bs, W]) with ``token_ids_lens``
+        (i32[bs]), from :func:`token_oracle`; empty when the token asserts are off.
+    """
+    if not jax.sharding.get_abstract_mesh().empty:  # P("data") on the engine's mesh: the mapping works replicated
+        fields = {k: jax.sharding.reshard(v, P()) for k, v in fields.items()}
+    rpi, seq_lens = fields["req_pool_indices"].astype(jnp.int32), fields["seq_lens"].astype(jnp.int32)
+    real = (rpi >= 0) & (seq_lens > 0)
+    rows = jnp.where(real, jnp.arange(rpi.shape[0], dtype=jnp.int32), -1)
+    seq_lens = jnp.where(real, seq_lens, 0)
+    if is_decode:
+        prefix, extend = jnp.where(real, seq_lens - 1, 0), real.astype(jnp.int32)
+    else:
+        prefix = jnp.where(real, fields["extend_prefix_lens"], 0).astype(jnp.int32)
+        extend = jnp.where(real, fields["extend_seq_lens"], 0).astype(jnp.int32)
+    return kc.CanaryBatch(
+        req_pool_indices=rows,
+        prefix_lens=prefix,
+        extend_lens=extend,
+        req_to_token=page_table(fields["cache_loc"].astype(jnp.int32), seq_lens, layout),
+        input_ids=fields["input_ids"].astype(jnp.int32),
+        positions=fields["positions"].astype(jnp.int32),
+        out_cache_loc=fields["out_cache_loc"].astype(jnp.int32),
+        **oracle,
+    )
+
+
+def batch_fields(forward_batch) -> dict:
+    """The ``ForwardBatch`` arrays the mapping reads."""
+    return {k: getattr(forward_batch, k) for k in _FIELDS if getattr(forward_batch, k, None) is not None}
+
+
+@functools.partial(jax.jit, static_argnames=("canary", "layout", "is_decode"), donate_argnums=(0,))
+def _head(state, fields, oracle, *, canary, layout, is_decode):
+    return canary.before_forward(state, canary_batch(fields, layout, is_decode=is_decode, oracle=oracle))
+
+
+@functools.partial(jax.jit, static_argnames=("canary", "layout", "is_decode"), donate_argnums=(0,))
+def _tail(state, fields, oracle, kv0, *, canary, layout, is_decode):
+    k, v = kv_sources(kv0)
+    batch = canary_batch(fields, layout, is_decode=is_decode, oracle=oracle)
+    return canary.after_forward(state, batch, canary.kv_sources(full_k=k, full_v=v))
+
+
+@functools.partial(jax.jit, static_argnames=("canary",), donate_argnums=(0,))
+def _sweep(state, plan, kv0, *, canary):
+    k, v = kv_sources(kv0)
+    return canary.sweep(state, plan, canary.kv_sources(full_k=k, full_v=v))
+
+
+# --- host side: the token oracle and the radix walk ---------------------------------------------------------------
+
+
+def token_oracle(reqs, model_worker_batch, layout: Layout, *, max_bs: int, write: bool, verify: bool) -> dict:
+    """The requests' own history (``origin_input_ids + output_ids``) laid out as the batch (numpy).
+
+    Returns ``expected_input_ids`` (i32[T]: each token the forward must write) when ``write``, and ``token_ids``
+    (i32[max_bs, W]: each row's known tokens) with ``token_ids_lens`` (i32[bs]) when ``verify``.
+    """
+    mwb = model_worker_batch
+    num_tokens, bs = len(mwb.input_ids), len(mwb.seq_lens)
+    is_decode = mwb.forward_mode.is_decode()
+    expected = np.zeros(num_tokens, np.int32)
+    table = np.zeros((max_bs, layout.table_width), np.int32)
+    lens = np.zeros(bs, np.int32)
+    t = 0
+    for b, req in enumerate(reqs):
+        history = list(req.origin_input_ids) + list(req.output_ids)
+        seq = int(mwb.seq_lens[b])
+        n = 1 if is_decode else int(mwb.extend_seq_lens[b])
+        expected[t : t + n] = history[seq - n : seq]
+        t += n
+        known = min(len(history), layout.table_width)
+        table[b, :known] = history[:known]
+        lens[b] = known
+    out = {}
+    if write:
+        out["expected_input_ids"] = expected
+    if verify:
+        out["token_ids"], out["token_ids_lens"] = table, lens
+    return out
+
+
+def radix_entries(tree_cache, *, include=None) -> kc.SweepEntries:
+    """Every slot a ``RadixCache`` holds, as (slot, position = depth, predecessor) entries.
+
+    ``include(node)``, if given, keeps only the slots of the nodes it accepts (e.g. ``lambda n: n.lock_ref == 0``:
+    the slots no running request holds).
+    """
+    return kc.walk_prefix_tree(
+        tree_cache.root_node,
+        children=lambda node: [c for c in node.children.values() if c.value is not None],
+        slots=lambda node: np.asarray(node.value, np.int32),
+        include=include,
+    )
+
+
+# --- the wrapper --------------------------------------------------------------------------------------------------
+
+
+class SglangCanary:
+    """The canary around one sglang-jax ``ModelWorker``; made by :func:`wrap`.
+
+    Attributes:
+      canary: the :class:`kvcanary_jax.KvCanary` (its pool: every slot of the engine's KV pool).
+      state: the canary state, replicated on the engine's mesh.
+      monitor: the :class:`kvcanary_jax.CanaryMonitor` reading it.
+      layout: the engine's :class:`Layout`.
+      steps: forwards run so far (the step number reports use).
+    """
+
+    def __init__(self, worker, config: kc.CanaryConfig, *, tree_cache=None, table_width: int | None = None):
+        self.worker, self.runner, self.config, self.tree_cache = worker, worker.model_runner, config, tree_cache
+        kv0 = self.runner.token_to_kv_pool.kv_buffer[0]
+        page_size = int(kv0.shape[1])
+        width = int(table_width or self.runner.model_config.context_len)
+        self.layout = Layout(page_size=page_size, table_width=-(-width // page_size) * page_size)
+        _, bs_buckets, cache_loc_buckets = worker.get_precompile_paddings()
+        self.max_bs = int(max(bs_buckets))
+        token_pool = {}
+        if config.enable_verify_token_assert:
+            token_pool = dict(max_reqs=self.max_bs, max_context_len=self.layout.table_width)
+        # A forward verifies at most the slots attention reads: the largest cache_loc bucket.
+        pool = kc.CanaryPool(num_slots=int(kv0.shape[0]) * page_size, page_size=page_size,
+                             verify_capacity=int(max(cache_loc_buckets)), **token_pool)  # fmt: skip
+        self.canary = kc.KvCanary(config, pool)
+        self.monitor = kc.CanaryMonitor(self.canary)
+        self.state = self._on_mesh(self.canary.init_state())
+        self.steps = 0
+        self._model_worker_batch = None
+        self._reqs = None
+        self._requests = collections.OrderedDict()  # step -> rids by batch row
+        self._forward = self.runner.forward
+        self._forward_batch_generation = worker.forward_batch_generation
+        self.runner.forward = self.forward
+        worker.forward_batch_generation = self._generate
+
+    # -- what the user calls ---------------------------------------------------------------------------------------
+
+    def expect(self, schedule_batch) -> None:
+        """Feeds the next forward's requests (a ``ScheduleBatch``): their own history is the token oracle.
+
+        Required before each forward when ``enable_write_input_assert`` or ``enable_verify_token_assert`` is on;
+        otherwise it only names the requests for :meth:`request_ids`.
+        """
+        infos = getattr(schedule_batch, "reqs_info", None)
+        if infos is None:
+            raise TypeError(f"schedule_batch must be an sgl_jax ScheduleBatch; got {type(schedule_batch).__name__}")
+        if len(infos) != 1:
+            raise NotImplementedError(f"data parallelism is not mapped; the batch has {len(infos)} DP sections")
+        self._reqs = list(infos[0].reqs or [])
+
+    def after_step(self) -> None:
+        """After the scheduler processed the step: sweeps the radix cache when due, then the lagged report check.
+
+        Raises:
+          KvCanaryViolationError: in raise mode, when a step ``check_lag_steps`` ago recorded violations.
+        """
+        if self.tree_cache is not None and self.monitor.sweep_due:
+            self.sweep()
+        self.monitor.after_step(self.state, step=self.steps - 1)
+
+    def sweep(self) -> None:
+        """Verifies every slot the radix cache holds now (``after_step`` runs it every ``sweep_interval`` steps)."""
+        if self.tree_cache is None:
+            raise ValueError("sweep needs the engine's RadixCache: wrap(worker, config, tree_cache=...)")
+        plan = self.canary.sweep_plan(radix_entries(self.tree_cache))
+        with jax.set_mesh(self.runner.mesh):
+            self.state = _sweep(self.state, plan, self.runner.token_to_kv_pool.kv_buffer[0], canary=self.canary)
+
+    def final_check(self) -> kc.ViolationReport:
+        """Blocking: every pending check, then the whole report (at shutdown)."""
+        return self.monitor.final_check(self.state)
+
+    def request_ids(self, step: int) -> list:
+        """The ``rid`` of each batch row at ``step`` (a violation's ``request_row``), for the last steps."""
+        return self._requests[step]
+
+    def unwrap(self) -> None:
+        """Gives the worker and its runner their own methods back."""
+        self.runner.forward = self._forward
+        self.worker.forward_batch_generation = self._forward_batch_generation
+
+    def __enter__(self) -> SglangCanary:
+        return self
+
+    def __exit__(self, exc_type, *exc) -> None:
+        """Unwraps; on a normal exit first runs :meth:`final_check` (raising in raise mode)."""
+        try:
+            if exc_type is None:
+                self.final_check()
+        finally:
+            self.unwrap()
+
+    # -- the engine's calls ----------------------------------------------------------------------------------------
+
+    def _generate(self, model_worker_batch, *args, **kwargs):
+        """``ModelWorker.forward_batch_generation``, keeping the batch's host arrays for the token oracle."""
+        self._model_worker_batch = model_worker_batch
+        try:
+            return self._forward_batch_generation(model_worker_batch, *args, **kwargs)
+        finally:
+            self._model_worker_batch = None
+
+    def forward(self, forward_batch, logits_metadata=None, *args, **kwargs):
+        """``ModelRunner.forward`` with HEAD before and TAIL after it (installed on the runner by :func:`wrap`)."""
+        mode = forward_batch.forward_mode
+        if mode.name == "IDLE":
+            return self._forward(forward_batch, logits_metadata, *args, **kwargs)
+        if mode.name not in _MAPPED_MODES:
+            raise NotImplementedError(
+                f"kvcanary's sglang-jax mapping covers {', '.join(_MAPPED_MODES)} forwards; got {mode.name} "
+                "(speculative decoding is not mapped)"
+            )
+        is_decode = mode.name == "DECODE"
+        oracle = self._oracle(forward_batch)
+        fields = batch_fields(forward_batch)
+        static = dict(canary=self.canary, layout=self.layout, is_decode=is_decode)
+        with jax.set_mesh(self.runner.mesh):
+            self.state = _head(self.state, fields, oracle, **static)
+        out = self._forward(forward_batch, logits_metadata, *args, **kwargs)
+        kv0 = self.runner.token_to_kv_pool.kv_buffer[0]  # the forward donated the pools: read them afresh
+        with jax.set_mesh(self.runner.mesh):
+            self.state = _tail(self.state, fields, oracle, kv0, **static)
+        if self.steps == 0:  # warm-up over: the write-time chain-position assert turns on
+            self.state = self._on_mesh(self.canary.mark_init_finished(self.state))
+        self._requests[self.steps] = [getattr(r, "rid", None) for r in self._reqs or []]
+        while len(self._requests) > _KEEP_REQUESTS:
+            self._requests.popitem(last=False)
+        self._reqs = None
+        self.steps += 1
+        return out
+
+    def _oracle(self, forward_batch) -> dict:
+        write, verify = self.config.enable_write_input_assert, self.config.enable_verify_token_assert
+        if not (write or verify):
+            return {}
+        mwb = self._model_worker_batch
+        if self._reqs is None or mwb is None or mwb.bid != forward_batch.bid:
+            raise ValueError(
+                "the token asserts need the requests' history: call guard.expect(schedule_batch) before each "
+                "forward, and run the forward through worker.forward_batch_generation(model_worker_batch)"
+            )
+        oracle = token_oracle(self._reqs, mwb, self.layout, max_bs=self.max_bs, write=write, verify=verify)
+        return {k: jnp.asarray(v) for k, v in oracle.items()}
+
+    def _on_mesh(self, state):
+        """The state replicated on the engine's mesh, typed as the jits return it (one compile per shape)."""
+        mesh = self.runner.mesh
+        return jax.tree.map(lambda x: jax.device_put(x, NamedSharding(mesh, P(*(None,) * x.ndim))), state)
+
+
+def _check_engine(worker, config) -> None:
+    """Refuses, by name, what the mapping does not cover."""
+    if not isinstance(config, kc.CanaryConfig):
+        raise TypeError(f"config must be a kvcanary_jax.CanaryConfig; got {type(config).__name__}")
+    runner = getattr(worker, "model_runner", None)
+    if runner is None or not callable(getattr(worker, "forward_batch_generation", None)):
+        raise TypeError(
+            "worker must be an sgl_jax ModelWorker (it has model_runner and forward_batch_generation); got "
+            f"{type(worker).__name__}"
+        )
+    if isinstance(getattr(runner.forward, "__self__", None), SglangCanary):
+        raise ValueError("this worker is wrapped already; call unwrap() on its guard first")
+    args = worker.server_args
+    problems = []
+    algorithm = getattr(args, "speculative_algorithm", None)
+    if algorithm not in (None, "", "NONE", "none"):
+        problems.append(f"speculative decoding (speculative_algorithm={algorithm!r})")
+    if int(getattr(args, "dp_size", 1) or 1) > 1:
+        problems.append(f"data parallelism (dp_size={args.dp_size}: each DP rank numbers its KV slots on its own)")
+    if not getattr(args, "disable_overlap_schedule", False):
+        problems.append(
+            "the overlap scheduler (decode input ids are resolved on device and the history lags a step; "
+            "run with disable_overlap_schedule=True)"
+        )
+    if getattr(worker, "_pd_fuse_sample", False):
+        problems.append("the fused Pathways forward-and-sample path (it bypasses ModelRunner.forward)")
+    pool = type(runner.token_to_kv_pool).__name__
+    if pool != "MHATokenToKVPool":
+        problems.append(f"the KV pool {pool} (only MHATokenToKVPool's fused K/V layers are mapped; not SWA, MLA or "
+                        "hybrid pools)")  # fmt: skip
+    if problems:
+        raise NotImplementedError("kvcanary's sglang-jax wrapper does not map " + "; ".join(problems))
+    kv0 = runner.token_to_kv_pool.kv_buffer[0]
+    if kv0.ndim != 5 or kv0.shape[1] != runner.page_size or math.prod(kv0.shape[2:4]) % 2:
+        raise NotImplementedError(f"unexpected KV layer layout {jax.typeof(kv0)} for page_size={runner.page_size}")
+
+
+def wrap(worker, config: kc.CanaryConfig, *, tree_cache=None, table_width: int | None = None) -> SglangCanary:
+    """Puts the canary around a sglang-jax ``ModelWorker``'s forwards; returns the guard.
+
+    From then on ``worker.forward_batch_generation`` (and so ``worker.model_runner.forward``) runs HEAD before and
+    TAIL after the model, each in a jit of its own, on the engine's mesh. Fixed padding buckets keep one compile per
+    bucket and mode, as for the engine.
+
+    Args:
+      worker: the ``sgl_jax`` ``ModelWorker`` the scheduler calls (disable_overlap_schedule=True, dp_size=1).
+      config: the :class:`kvcanary_jax.CanaryConfig`; ``backend="auto"`` reads the engine's sharded KV in place.
+      tree_cache: the scheduler's ``RadixCache``, swept every ``config.sweep_interval`` steps (None: no sweep).
+      table_width: columns of the device-built page table; default the model's context length.
+
+    Returns:
+      The :class:`SglangCanary` guard; as a context manager it runs :meth:`SglangCanary.final_check` and unwraps on
+      exit.
+
+    Raises:
+      ImportError: sglang-jax is not installed (with the command that installs it).
+      TypeError: ``worker`` or ``config`` of the wrong type.
+      NotImplementedError: an engine set-up the mapping does not cover, named.
+    """
+    require_sglang_jax()
+    _check_engine(worker, config)
+    if table_width is not None and (not isinstance(table_width, int) or table_width < 1):
+        raise ValueError(f"table_width must be a positive int; got table_width={table_width!r}")
+    if config.sweep_interval > 0 and tree_cache is None:
+        raise ValueError(
+            f"config.sweep_interval={config.sweep_interval} sweeps the radix cache: pass tree_cache=<the "
+            "scheduler's RadixCache>, or set sweep_interval=0"
+        )
+    return SglangCanary(worker, config, tree_cache=tree_cache, table_width=table_width)

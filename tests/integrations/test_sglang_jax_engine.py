@@ -1,0 +1,92 @@
+"""End to end on CPU against the real sglang-jax engine: a tiny random Llama, driven by the engine's own helpers.
+
+Skipped where sglang-jax is not installed (it needs Python >= 3.12: ``pip install -e ".[test,sglang-jax]"``), unless
+``KVCANARY_REQUIRE_SGLANG_JAX=1`` (CI's sglang-jax leg) makes the missing engine an error.
+"""
+
+from __future__ import annotations
+
+import os
+import types
+
+import pytest
+
+if os.environ.get("KVCANARY_REQUIRE_SGLANG_JAX") == "1":  # CI's sglang-jax leg: a broken install must fail, not skip
+    import sgl_jax  # noqa: F401
+else:
+    pytest.importorskip("sgl_jax", reason="the sglang-jax extra is not installed")
+
+import kvcanary_jax as kc  # noqa: E402
+from kvcanary_jax.demo import sglang_engine, sglang_faults  # noqa: E402
+from kvcanary_jax.integrations import sglang_jax  # noqa: E402
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # the engine's own (flax .value access)
+_JITS = {"head": sglang_jax._head, "tail": sglang_jax._tail, "sweep": sglang_jax._sweep}
+
+
+@pytest.fixture(scope="module")
+def worker(tmp_path_factory):
+    """The engine's ModelWorker: tiny Llama config from the package (no hub), random weights, page size 1."""
+    path = sglang_engine.write_tiny_llama(tmp_path_factory.mktemp("tiny_llama"))
+    return sglang_engine.build_worker(path, page_size=1, seed=0)
+
+
+def _engine_alone(worker) -> dict:
+    sched = sglang_engine.MiniScheduler(worker, sglang_engine.workload(0, 16))
+    for batch in sched:
+        sched.run_batch(batch)
+    return {r.rid: list(r.output_ids) for r in sched.finished}
+
+
+def test_clean_run_is_silent_and_leaves_the_engine_unchanged(worker):
+    alone = _engine_alone(worker)
+    compiled = {name: jit._cache_size() for name, jit in _JITS.items()}
+    run = sglang_faults.run(worker, None)
+    assert run.ok, run.note
+    assert run.steps >= 50 and run.requests >= 8 and run.cached_tokens > 0  # prefix reuse through the radix cache
+    assert run.tokens == alone  # same sampled tokens as the engine alone
+    added = {name: jit._cache_size() - compiled[name] for name, jit in _JITS.items()}
+    assert added["head"] <= 2 and added["tail"] <= 2 and added["sweep"] <= 1, added  # extend + decode; no per-step
+
+
+@pytest.mark.parametrize("fault", sglang_faults.FAULTS, ids=lambda f: f.value)
+def test_each_fault_is_reported_at_its_slot_request_and_step(worker, fault):
+    run = sglang_faults.run(worker, fault)
+    assert run.injected is not None, "no target to inject into"
+    assert run.ok, f"{run.note}: {run}"
+    assert run.detected_step == run.injected.step
+    assert run.slot == run.injected.slot
+    assert run.rid == run.injected.rid  # None for the idle-cache slot: no request holds it
+    tag, _, _ = kc.testing.expected_detection(fault)
+    assert run.launch_tag == tag.name
+
+
+def test_the_token_asserts_need_the_requests(worker):
+    sched = sglang_engine.MiniScheduler(worker, sglang_engine.workload(0, 2))
+    with sglang_jax.wrap(worker, sglang_faults.ENGINE_CONFIG, tree_cache=sched.tree_cache):
+        with pytest.raises(ValueError, match=r"call guard.expect\(schedule_batch\) before each forward"):
+            sched.run_batch(next(iter(sched)))
+    assert not isinstance(getattr(worker.model_runner.forward, "__self__", None), sglang_jax.SglangCanary)
+
+
+def test_unmapped_set_ups_are_refused_by_name(worker):
+    config = kc.CanaryConfig(sweep_interval=0)
+    with pytest.raises(TypeError, match="config must be a kvcanary_jax.CanaryConfig"):
+        sglang_jax.wrap(worker, {"mode": "raise"})
+    with pytest.raises(ValueError, match="pass tree_cache="):
+        sglang_jax.wrap(worker, kc.CanaryConfig(sweep_interval=10))
+    with pytest.raises(ValueError, match="table_width must be a positive int"):
+        sglang_jax.wrap(worker, config, table_width=0)
+    for change, message in [
+        ({"dp_size": 2}, r"data parallelism \(dp_size=2"),
+        ({"disable_overlap_schedule": False}, "the overlap scheduler"),
+        ({"speculative_algorithm": "EAGLE"}, "speculative decoding"),
+    ]:
+        other = types.SimpleNamespace(model_runner=worker.model_runner,
+                                      forward_batch_generation=worker.forward_batch_generation,
+                                      server_args=types.SimpleNamespace(**{**vars(worker.server_args), **change}))  # fmt: skip
+        with pytest.raises(NotImplementedError, match=message):
+            sglang_jax.wrap(other, config)
+    with sglang_jax.wrap(worker, config):
+        with pytest.raises(ValueError, match="wrapped already"):
+            sglang_jax.wrap(worker, config)
