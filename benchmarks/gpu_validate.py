@@ -298,7 +298,7 @@ def runner_paths(bs: int, ctx: int, steps: int = 3):
         fused = kc.KvCanary(config, pool)
 
         class PerLaunch(kc.KvCanary):
-            _forward_phase = kc.KvCanary._per_launch_phase
+            _fused_phase = kc.KvCanary._per_launch_phase  # the GPU branch runs the single ops
 
         per_launch = PerLaunch(config, pool)
         rng = np.random.default_rng(15)

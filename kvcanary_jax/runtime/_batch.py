@@ -16,8 +16,10 @@ class CanaryBatch:
     """One forward step as the canary sees it: static shapes, int32 arrays, request-major tokens.
 
     A batch has ``bs`` rows (requests) and ``T`` token entries. Row ``r`` owns the ``extend_lens[r]`` entries
-    starting at ``sum(extend_lens[:r])``. Padding rows (``req_pool_indices == 0``) come after the real rows and own
-    no tokens; entries past ``sum(extend_lens)`` are padding too. How the usual step shapes map onto the fields:
+    starting at ``sum(extend_lens[:r])``. Padding rows may sit anywhere; how they are marked is
+    ``CanaryPool.padding``: ``req_pool_indices < 0`` by default (``"negative"``), or SGLang's row 0
+    (``"reserved"``). Entries past ``sum(extend_lens)``, and tokens with ``out_cache_loc < 0``, are padding too.
+    How the usual step shapes map onto the fields:
 
     ================================  ==========================  =============================
     step                              ``prefix_lens[r]``           ``extend_lens[r]``
@@ -30,7 +32,8 @@ class CanaryBatch:
     ================================  ==========================  =============================
 
     Attributes:
-      req_pool_indices: i32[bs] row of each request in ``req_to_token`` (0 = padding row; row 0 is never real).
+      req_pool_indices: i32[bs] row of each request in ``req_to_token``; a padding row as ``CanaryPool.padding``
+        says (< 0 by default; 0 with ``"reserved"``).
       prefix_lens: i32[bs] tokens of the request whose KV is already cached before this step (verified).
       extend_lens: i32[bs] tokens this step appends (written).
       req_to_token: i32[max_reqs, max_context_len] full-pool KV slot of each (request row, position), already
