@@ -69,7 +69,12 @@ def cuda_export_target(device_kind: str = "NVIDIA H200", num_cores: int = 132) -
         yield
         return
     target = abstract_device(device_kind=device_kind, num_cores=num_cores, platform="cuda")
-    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("export",), abstract_device=target)):
+    # Auto, not jax 0.12's default Explicit: an explicit axis would type every array on this mesh, and the kernel
+    # backends refuse explicitly sharded inputs.
+    auto = (jax.sharding.AxisType.Auto,)
+    with jax.sharding.use_abstract_mesh(
+        jax.sharding.AbstractMesh((1,), ("export",), axis_types=auto, abstract_device=target)
+    ):
         yield
 
 
