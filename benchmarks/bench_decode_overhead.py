@@ -146,7 +146,7 @@ def attention_kw(ctx: int, tiny: bool) -> tuple:
 class PerLaunchCanary(kc.KvCanary):
     """The runner with its per-launch phase: what ``before_forward``/``after_forward`` ran before issue 16."""
 
-    _forward_phase = kc.KvCanary._per_launch_phase
+    _fused_phase = kc.KvCanary._per_launch_phase  # the GPU branch of _forward_phase runs the single ops
 
 
 def make_canary(point: Point, num_slots: int, verify_capacity: int, tiny: bool) -> kc.KvCanary:

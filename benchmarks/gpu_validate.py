@@ -262,6 +262,7 @@ def _phase(buffers, log, batch, cpa, sources, *, tags, shape, backend):
         verify_capacity=shape.capacity,
         window=shape.window,
         token_offset=shape.token_offset,
+        check_table=shape.check_table,
         backend=backend,
     )
 
@@ -403,7 +404,7 @@ def main() -> None:
     floods = [(s, dict(ring_start=r)) for s, r in enumerate(phase_cases.RING_STARTS)]
     primed = [(10 + s, dict(ring_start="empty", primed=True, corrupt=c)) for s, c in enumerate((0.0005, 0.002))]
     overflow = [(20, dict(overflow=True))]
-    kv = dict(mode=1, sources=(BF16_P16,), input_assert=True, token_check=True, ring_capacity=1024)
+    kv = dict(mode=1, sources=(BF16_P16,), input_assert=True, token_check=True, ring_capacity=1024, check_table=True)
     if args.quick:
         decode = phase_cases.Shape(num_slots=3000, num_reqs=8, max_len=64, num_tokens=24, capacity=500, **kv)
         case("phase decode (quick)", phase_case(decode, floods + primed + overflow))
@@ -440,6 +441,7 @@ def main() -> None:
             input_assert=True,
             token_offset=1,
             ring_capacity=1024,
+            check_table=True,
         )
         case("phase SWA K only ALL fp8, window 128", phase_case(swa, floods[:2] + primed[:1]))
         prefill = phase_cases.Shape(

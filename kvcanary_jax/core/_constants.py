@@ -82,7 +82,7 @@ class FailReason(enum.IntFlag):
     # TP shards disagree on a written record's chain fields (kvcanary_jax.sharded);
     SHARD_CHAIN_MISMATCH = 1 << 6
     # a batch input the canary cannot check as given: out of range, negative, or a reserved row or slot in use.
-    INVALID_INPUT = 1 << 7
+    INVALID_INPUT = layout.FAIL_INVALID_INPUT
 
 
 class InputField(enum.IntEnum):
@@ -91,25 +91,26 @@ class InputField(enum.IntEnum):
     REQ_POOL_INDICES = 1
     PREFIX_LENS = 2
     EXTEND_LENS = 3
-    REQ_TO_TOKEN = 4
+    REQ_TO_TOKEN = layout.INPUT_FIELD_REQ_TO_TOKEN
     OUT_CACHE_LOC = 5
-    FULL_TO_SWA_INDEX_MAPPING = 6
+    FULL_TO_SWA_INDEX_MAPPING = layout.INPUT_FIELD_FULL_TO_SWA_INDEX_MAPPING
     TOKEN_IDS_LENS = 7
 
 
 class InputProblem(enum.IntEnum):
     """What is wrong with the value an ``INVALID_INPUT`` row names (bits 40..47 of its ``fail_reason_bits``)."""
 
-    OUT_OF_RANGE = 1  # outside [lower bound, limit); the row's expected_token holds the limit
+    # outside [lower bound, limit); the row's expected_token holds the limit
+    OUT_OF_RANGE = layout.INPUT_PROBLEM_OUT_OF_RANGE
     NEGATIVE = 2  # a length or count below 0
     RESERVED_ROW = 3  # a request with tokens in the reserved request row (padding="reserved")
-    RESERVED_SLOT = 4  # a request position mapped to the reserved padding slot 0
+    RESERVED_SLOT = layout.INPUT_PROBLEM_RESERVED_SLOT  # a request position mapped to the reserved padding slot 0
     PAST_TOKENS = 5  # the row's tokens run past the batch's token arrays (sum(extend_lens) > T)
     PAST_CONTEXT = 6  # prefix_lens + extend_lens exceeds req_to_token's width
 
 
-INPUT_FIELD_SHIFT = 32  # fail_reason_bits = INVALID_INPUT | field << 32 | problem << 40
-INPUT_PROBLEM_SHIFT = 40
+INPUT_FIELD_SHIFT = layout.INPUT_FIELD_SHIFT  # fail_reason_bits = INVALID_INPUT | field << 32 | problem << 40
+INPUT_PROBLEM_SHIFT = layout.INPUT_PROBLEM_SHIFT
 
 
 class RealKvHashMode(enum.IntEnum):

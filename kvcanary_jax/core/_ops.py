@@ -73,8 +73,15 @@ def pending_rows(launches: Sequence[tuple[jax.Array, RowBuilder]], capacity: int
 
 
 def append(log: ViolationLog, flags: jax.Array, build_rows: RowBuilder) -> ViolationLog:
-    """Appends one set of rows (one per set flag, in flag order) to the fill-once ring."""
-    return _ring.place(log, pending_rows([(flags, build_rows)], log.ring_capacity))
+    """Appends one set of rows (one per set flag, in flag order) to the fill-once ring.
+
+    Up to the ring's capacity of flags, every candidate's row is built and scattered to its place; more are
+    listed first (:func:`pending_rows`), so that only ``capacity`` rows are built.
+    """
+    num_flags = flags.size
+    if num_flags > log.ring_capacity:
+        return _ring.place(log, pending_rows([(flags, build_rows)], log.ring_capacity))
+    return _ring.scatter(log, flags, *build_rows(jnp.arange(num_flags, dtype=jnp.int32)))
 
 
 def _bump(counters: jax.Array, increments: dict[int, jax.Array]) -> jax.Array:
@@ -253,9 +260,13 @@ def fused_phase(
     window: int,
     token_offset: int,
     full_slots: int,
+    check_table: bool,
+    input_issues: jax.Array | None,
     backend: str,
 ) -> tuple[CanaryDeviceState, tuple[jax.Array, ...], jax.Array]:
-    """One HEAD/TAIL phase of a group through the lower layer's fused ``phase`` op.
+    """One HEAD/TAIL phase of a group through the lower layer's fused ``phase`` op. Its ``INVALID_INPUT`` rows come
+    first: the caller's ``input_issues`` (i32[8, n]), then, with ``check_table``, the cached positions'
+    ``req_to_token`` values.
 
     Same effects as the per-launch ops in SGLang's order (verify K, write K, verify V, write V): the ring, index,
     counters and buffers are byte-identical. Returns ``(device, buffers, enable)``; ``enable`` is i32[1], 0 when the
@@ -280,6 +291,8 @@ def fused_phase(
         window=window,
         token_offset=token_offset,
         full_slots=full_slots,
+        check_table=check_table,
+        input_issues=input_issues,
         backend=backend,
     )
     device = dataclasses.replace(

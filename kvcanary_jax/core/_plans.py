@@ -186,11 +186,15 @@ class PlanRows:
       raw_slots: i32[verify_capacity] each entry's ``req_to_token`` value before the SWA translation; 0 past
         ``num_valid``.
       raw_prev: i32[verify_capacity] the same for each entry's predecessor; -1 for a chain head.
+      positions: i32[verify_capacity] each entry's position; 0 past ``num_valid``.
+
+    Entries up to ``num_valid`` are listed even when the plan overflowed (and verifies nothing).
     """
 
     verify_rows: jax.Array
     raw_slots: jax.Array
     raw_prev: jax.Array
+    positions: jax.Array
 
 
 def build(
@@ -275,9 +279,11 @@ def build(
         seed_slot_indices=jnp.full((write_req_capacity,), -1, jnp.int32).at[:bs].set(seed),
         num_valid_reqs=jnp.full((1,), bs, jnp.int32),
     )
+    listed = t < num_valid
     plan_rows = PlanRows(
-        verify_rows=jnp.where(used, req, -1),
-        raw_slots=jnp.where(used, raw_slot, 0),
-        raw_prev=jnp.where(used, raw_prev, 0),
+        verify_rows=jnp.where(listed, req, -1),
+        raw_slots=jnp.where(listed, raw_slot, 0),
+        raw_prev=jnp.where(listed, raw_prev, 0),
+        positions=jnp.where(listed, pos, 0),
     )
     return verify_plan, write_plan, plan_rows

@@ -9,6 +9,9 @@ sum and one ring update (the decode step's launches are many and small):
   ids of its first ``capacity`` set flags (the ``mode="drop"`` scatter of SPEC §2, over every launch at once);
   the caller turns those ids into rows;
 * :func:`place` writes the rows at the ring's write index, launch after launch, and advances the index.
+
+A single small set of rows (no more candidates than the ring has rows) skips the listing: :func:`scatter` puts
+each flagged candidate's row straight at its place.
 """
 
 from __future__ import annotations
@@ -78,6 +81,23 @@ def first_entries(flags: Sequence[jax.Array], capacity: int) -> tuple[jax.Array,
     local = jnp.arange(ones.shape[0], dtype=jnp.int32) - jnp.asarray(bounds[:-1], jnp.int32)[launch]
     entries = jnp.zeros((dropped,), jnp.int32).at[target].set(local, mode="drop")
     return counts, entries.reshape(len(sizes), capacity)
+
+
+def scatter(log: ViolationLog, flags: jax.Array, rows: jax.Array, context: jax.Array) -> ViolationLog:
+    """Writes the row of each set flag (``rows`` u32[n, 8, 2], ``context`` i32[n, 3], one per flag) at the write
+    index in flag order where the ring has room, and advances the index (saturating): one prefix sum and one
+    in-place scatter per array, whatever the ring's size. The same bytes as :func:`place` of those rows."""
+    ones = flags.reshape(-1).astype(jnp.int32)
+    rank = prefix.inclusive_sum(ones) - ones
+    start = log.violation_write_index[0]
+    room = jnp.maximum(log.ring_capacity - start, 0)
+    target = jnp.where((ones != 0) & (rank < room), start + rank, log.ring_capacity)  # start + rank < capacity
+    ring = log.violation_ring.at[target].set(rows, mode="drop")
+    ctx = log.violation_context
+    if ctx is not None:
+        ctx = ctx.at[target].set(context, mode="drop")
+    index = _saturating_add(start, jnp.sum(ones)).reshape(1).astype(jnp.int32)
+    return ViolationLog(violation_ring=ring, violation_write_index=index, violation_context=ctx)
 
 
 def after(*rows: jax.Array) -> jax.Array:

@@ -320,12 +320,14 @@ class KvCanary:
         in-kernel, K and V together, rows placed by the kernels), and as its jnp reference elsewhere; on TPU, which
         has Mosaic kernels for the single ops only, it is :meth:`_per_launch_phase`. The bytes are the same.
         """
+        issues = None
         if phase is Phase.HEAD:
-            state = self._report_inputs(state, batch, rows, g)
-        fused = functools.partial(self._fused_phase, batch=batch, rows=rows, g=g, phase=phase, sources=sources)
-        per_launch = functools.partial(
-            self._per_launch_phase, batch=batch, rows=rows, g=g, phase=phase, sources=sources
-        )
+            issues = _inputs.group_issues(
+                batch, rows, window=g.window, num_slots=g.num_slots, full_num_slots=self.pool.num_slots
+            )
+        kwargs = dict(batch=batch, rows=rows, g=g, phase=phase, sources=sources, issues=issues)
+        fused = functools.partial(self._fused_phase, **kwargs)
+        per_launch = functools.partial(self._per_launch_phase, **kwargs)
         backend = self.config.backend
         if backend == "interpret_tpu":
             return per_launch(state)
@@ -334,17 +336,16 @@ class KvCanary:
         # "pallas" and "auto" choose by the platform lowered for, as the ops do: XLA lowers only that branch.
         return lax.platform_dependent(state, cuda=fused, rocm=fused, tpu=per_launch, default=fused)
 
-    def _report_inputs(self, state: CanaryState, batch: CanaryBatch, rows: _inputs.Rows, g: _pool.Group):
-        """Appends the group's ``INVALID_INPUT`` rows (no launch of SGLang's: no counter moves)."""
-        issues = _inputs.group_issues(
-            batch, rows, window=g.window, num_slots=g.num_slots, full_num_slots=self.pool.num_slots
-        )
+    @staticmethod
+    def _append_issues(state: CanaryState, issues: _inputs.Issues, g: _pool.Group) -> CanaryState:
+        """Appends ``INVALID_INPUT`` rows (no launch of SGLang's: no counter moves)."""
         flags, build_rows = issues.launch_rows(g.tag(Phase.HEAD, Half.K))
         log = _ops.append(state.device.violation_log, flags, build_rows)
         return dataclasses.replace(state, device=dataclasses.replace(state.device, violation_log=log))
 
-    def _fused_phase(self, state: CanaryState, *, batch, rows, g, phase, sources) -> CanaryState:
-        """:meth:`_forward_phase` through the lower layer's fused ``phase`` op."""
+    def _fused_phase(self, state: CanaryState, *, batch, rows, g, phase, sources, issues) -> CanaryState:
+        """:meth:`_forward_phase` through the lower layer's fused ``phase`` op (which places ``issues``' rows and
+        the table's first, on the HEAD)."""
         check_token = self.config.enable_verify_token_assert
         expected = self._expected_inputs(batch) or (None, None)
         fused_batch = phase_api.Batch(
@@ -383,6 +384,8 @@ class KvCanary:
             window=g.window,
             token_offset=self.pool.kv_token_id_vs_position_offset,
             full_slots=self.pool.num_slots,
+            check_table=phase is Phase.HEAD,
+            input_issues=None if issues is None else issues.stacked(),
             backend=self.config.backend,
         )
         for h, buf in zip(self.halves, new_buffers, strict=True):
@@ -391,13 +394,16 @@ class KvCanary:
         overflows = state.verify_overflows + (1 - enable if phase is Phase.HEAD else 0)
         return dataclasses.replace(state, device=device, verify_overflows=overflows, **{g.name: buffers})
 
-    def _per_launch_phase(self, state: CanaryState, *, batch, rows, g, phase, sources) -> CanaryState:
+    def _per_launch_phase(self, state: CanaryState, *, batch, rows, g, phase, sources, issues) -> CanaryState:
         """:meth:`_forward_phase` from the single verify and write ops (the TPU's path: Mosaic kernels).
 
         Every verify reads its buffer before any write of the phase; their rows come out of one prefix sum and are
         gathered before the in-place stores, and all rows land in the ring at once, in SGLang's launch order.
         """
         checked = self._group(state, batch, rows, g)
+        if issues is not None:  # the HEAD's INVALID_INPUT rows: the rows' and tokens', then the table's
+            state = self._append_issues(state, issues, g)
+            state = self._append_issues(state, checked.table_issues, g)
         buffers, capacity = state.buffers(g), state.device.violation_log.ring_capacity
         check_token = self.config.enable_verify_token_assert
         verifies = [
@@ -564,7 +570,8 @@ class KvCanary:
                     )
             checks.same_length(group)
         table = arrays["req_to_token"]
-        checks.array("batch.req_to_token", table, dtype=jnp.int32, ndim=2)  # an empty one: build_plans names it
+        # An empty one: the phase op (or build_plans, on the per-launch path) names it.
+        checks.array("batch.req_to_token", table, dtype=jnp.int32, ndim=2)
         if self.pool.swa is not None:
             lut = arrays.get("full_to_swa_index_mapping")
             if lut is None:

@@ -7,7 +7,9 @@ as a row naming the field, the batch entry and the value, and is masked out of t
 not verified or written, its slot is skipped, so it adds no rows of its own. A request with a bad new slot writes
 nothing (a partial write would trip the chain-position assert), one whose seed slot is bad starts a new chain, and
 rows after one whose token span cannot be located (a negative length, or past the token arrays) are skipped with
-it. Padding is never a violation.
+it. Padding is never a violation. The cached positions' ``req_to_token`` values are checked by the phase that
+reads them (the fused phase op's ``check_table``, or :attr:`Group.table_issues` on the per-launch path): the plan's
+listed entries, i.e. the first ``verify_capacity`` cached positions, even when the verify overflows.
 
 An ``INVALID_INPUT`` row keeps SGLang's eight fields: ``launch_tag`` is the group's HEAD K tag, ``slot_idx`` the slot
 involved (-1 if none), ``position`` the request position (-1 if none), ``stored_token`` the value received,
@@ -23,10 +25,9 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from kvcanary_jax.core import _constants as constants
 from kvcanary_jax.core import _plans, _ring
-from kvcanary_jax.core._constants import FailReason, InputField, InputProblem
-from pallas_kernels import hash64, layout, prefix
+from kvcanary_jax.core._constants import InputField, InputProblem
+from pallas_kernels import layout, prefix
 from pallas_kernels.phase import common as phase_common
 
 _RESERVED_SLOT = layout.PADDING_SLOT
@@ -59,27 +60,17 @@ class Issues:
     def concat(parts: list[Issues]) -> Issues:
         return Issues(*(jnp.concatenate([getattr(p, f.name) for p in parts]) for f in dataclasses.fields(Issues)))
 
+    def stacked(self) -> jax.Array:
+        """i32[8, n]: the fields as the fused phase's ``input_issues`` (rows ``phase.common.INPUT_ISSUE_FIELDS``)."""
+        return jnp.stack([getattr(self, name) for name in phase_common.INPUT_ISSUE_FIELDS])
+
     def launch_rows(self, tag: int):
         """``(flags, build_rows)`` for :func:`kvcanary_jax.core._ops.pending_rows`."""
-        bits = (
-            int(FailReason.INVALID_INPUT),
-            self.field << (constants.INPUT_FIELD_SHIFT - 32) | self.problem << (constants.INPUT_PROBLEM_SHIFT - 32),
-        )
 
         def build_rows(entry):
-            rows = _ring.pack_row(
-                [
-                    hash64.const(tag, entry),
-                    hash64.from_i32(self.slot[entry]),
-                    hash64.from_i32(self.position[entry]),
-                    hash64.from_i32(self.value[entry]),
-                    hash64.from_i32(self.limit[entry]),
-                    hash64.from_i32(self.entry[entry]),
-                    hash64.from_i32(self.request[entry]),
-                    (jnp.full_like(entry, bits[0], dtype=jnp.uint32), bits[1][entry].astype(jnp.uint32)),
-                ]
-            )
-            return rows, _ring.context(self.request[entry], self.position[entry], self.entry[entry])
+            at = {f.name: getattr(self, f.name)[entry] for f in dataclasses.fields(Issues)}
+            rows = _ring.pack_row(phase_common.input_row(tag, **at))
+            return rows, _ring.context(at["request"], at["position"], at["entry"])
 
         return self.problem != 0, build_rows
 
@@ -181,15 +172,6 @@ def _segment_any(flags: jax.Array, segments: jax.Array, num_segments: int) -> ja
     return hits > 0
 
 
-def slot_problems(slots: jax.Array, live: jax.Array, *, num_slots: int, reserved_ok: bool = False) -> jax.Array:
-    """i32 problem per slot (0 = fine) of ``live`` entries: outside ``[0, num_slots)``, or the reserved slot 0."""
-    out_of_range = live & ((slots < 0) | (slots >= num_slots))
-    reserved = live & (slots == _RESERVED_SLOT) & (not reserved_ok)
-    return jnp.where(
-        out_of_range, int(InputProblem.OUT_OF_RANGE), jnp.where(reserved, int(InputProblem.RESERVED_SLOT), 0)
-    )
-
-
 def token_history_lens(batch, token_pool: jax.Array) -> jax.Array:
     """i32[bs] the known prefix of each row's token history, within the expected-token pool's width (a longer one
     is an ``INVALID_INPUT`` row of the rows' checks)."""
@@ -222,56 +204,37 @@ def _live_tokens(rows: Rows) -> jax.Array:
 
 
 def _token_problems(loc: jax.Array, rows: Rows, full_num_slots: int) -> jax.Array:
-    return slot_problems(loc, _live_tokens(rows) & (loc >= 0), num_slots=full_num_slots)
+    """i32[T] problem of each request token's new slot (0 = fine, or skipped: < 0)."""
+    problem, _ = phase_common.slot_issue(loc, None, None, full_slots=full_num_slots, group_slots=full_num_slots)
+    return jnp.where(_live_tokens(rows) & (loc >= 0), problem, 0)
 
 
 def group_issues(batch, rows: Rows, *, window: int, num_slots: int, full_num_slots: int) -> Issues:
-    """A group's ``INVALID_INPUT`` candidates, in ring order: the rows' (FULL group only), then the tokens', then
-    the cached positions' (request-major, position ascending: the verify plan's entry order).
+    """A group's ``INVALID_INPUT`` candidates of the rows and tokens, in ring order: the rows' (FULL group only),
+    then the tokens'. (The cached positions' ``req_to_token`` values are the phase's: ``check_table``.)
 
-    The FULL group (``window == 0``) checks ``out_cache_loc`` and the ``req_to_token`` values of every cached
-    position against ``[1, num_slots)``; the SWA group checks what ``full_to_swa_index_mapping`` makes of the values
-    the FULL group accepted, against its own ``num_slots`` (in its window; slot 0 there means "not resident").
+    The FULL group (``window == 0``) checks ``out_cache_loc`` against ``[1, num_slots)``; the SWA group checks what
+    ``full_to_swa_index_mapping`` makes of the slots the FULL group accepted, against its own ``num_slots``.
     """
     rpi, t = batch.req_pool_indices, jnp.arange(batch.out_cache_loc.shape[0], dtype=jnp.int32)
     row_of = jnp.maximum(rows.token_rows, 0)
-    token_request = jnp.where(_live_tokens(rows), rpi[row_of], -1)
-    position = batch.prefix_lens[row_of] + t - rows.span_starts[row_of]
-    full_loc = request_slots(batch, rows, full_num_slots=full_num_slots)
-    # The cached positions of each request: its req_to_token row, [bs, context], positions < prefix_lens.
-    table = batch.req_to_token[jnp.clip(rpi, 0, batch.req_to_token.shape[0] - 1)]
-    pos = jnp.arange(table.shape[1], dtype=jnp.int32)[None, :]
-    start = jnp.maximum(batch.prefix_lens - window, 0) if window else jnp.zeros_like(batch.prefix_lens)
-    cached = rows.active[:, None] & (pos < batch.prefix_lens[:, None]) & (pos >= start[:, None])
-    raw_problem = slot_problems(table, cached, num_slots=full_num_slots)
-    entry = jnp.broadcast_to(jnp.arange(rpi.shape[0], dtype=jnp.int32)[:, None], table.shape)
     at = dict(
-        position=jnp.broadcast_to(pos, table.shape), entry=entry, request=jnp.broadcast_to(rpi[:, None], table.shape)
+        position=batch.prefix_lens[row_of] + t - rows.span_starts[row_of],
+        entry=t,
+        request=jnp.where(_live_tokens(rows), rpi[row_of], -1),
     )
     if not window:
+        loc = batch.out_cache_loc
+        problem = _token_problems(loc, rows, full_num_slots)
         return Issues.concat(
-            [
-                rows.issues,
-                Issues.of(_token_problems(batch.out_cache_loc, rows, full_num_slots), InputField.OUT_CACHE_LOC,
-                          batch.out_cache_loc, limit=num_slots, slot=batch.out_cache_loc, position=position, entry=t,
-                          request=token_request),
-                Issues.of(raw_problem, InputField.REQ_TO_TOKEN, table, limit=num_slots, slot=table, **at).flat(),
-            ]
-        )  # fmt: skip
-    lut = batch.full_to_swa_index_mapping
-    out_of_range = int(InputProblem.OUT_OF_RANGE)
-    swa_loc = _plans.translate(full_loc, lut)
-    loc_bad = (full_loc >= 0) & ((swa_loc < 0) | (swa_loc >= num_slots))
-    swa = _plans.translate(jnp.where(cached & (raw_problem == 0), table, -1), lut)
-    swa_bad = cached & (raw_problem == 0) & ((swa < 0) | (swa >= num_slots))
-    lut_field = InputField.FULL_TO_SWA_INDEX_MAPPING
-    return Issues.concat(
-        [
-            Issues.of(jnp.where(loc_bad, out_of_range, 0), lut_field, swa_loc, limit=num_slots, slot=full_loc,
-                      position=position, entry=t, request=token_request),
-            Issues.of(jnp.where(swa_bad, out_of_range, 0), lut_field, swa, limit=num_slots, slot=table, **at).flat(),
-        ]
-    )  # fmt: skip
+            [rows.issues, Issues.of(problem, InputField.OUT_CACHE_LOC, loc, limit=num_slots, slot=loc, **at)]
+        )
+    full_loc = request_slots(batch, rows, full_num_slots=full_num_slots)
+    swa_loc = _plans.translate(full_loc, batch.full_to_swa_index_mapping)
+    bad = (full_loc >= 0) & ((swa_loc < 0) | (swa_loc >= num_slots))
+    problem = jnp.where(bad, int(InputProblem.OUT_OF_RANGE), 0)
+    field = InputField.FULL_TO_SWA_INDEX_MAPPING
+    return Issues.of(problem, field, swa_loc, limit=num_slots, slot=full_loc, **at)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -283,12 +246,15 @@ class Group:
         ``pallas_kernels.phase.common.plan_slots`` does it in the fused phase.
       out_cache_loc: i32[T] the group's write slots; -1 for the tokens the launches skip.
       entry_requests: i32[2, verify_capacity] each verify entry's request row and batch row (rows' context).
+      table_issues: the listed entries' ``req_to_token`` values the pools cannot hold (the fused phase's
+        ``check_table``), in plan-entry order.
     """
 
     verify_plan: _plans.VerifyPlan
     write_plan: _plans.WritePlan
     out_cache_loc: jax.Array
     entry_requests: jax.Array
+    table_issues: Issues
 
 
 def check_group(
@@ -336,8 +302,21 @@ def check_group(
     verify_plan = dataclasses.replace(
         verify_plan, slot_indices=jnp.where(used, slot, 0), prev_slot_indices=jnp.where(used, prev, 0)
     )
-    batch_row = plan_rows.verify_rows
+    batch_row = jnp.where(used, plan_rows.verify_rows, -1)
     request = jnp.where(used, rpi[jnp.maximum(batch_row, 0)], -1)
+    problem, value = phase_common.slot_issue(
+        plan_rows.raw_slots, gather_lut, lut_size, full_slots=full_num_slots, group_slots=num_slots
+    )
+    table_issues = Issues.of(
+        jnp.where(entries < verify_plan.num_valid[0], problem, 0),
+        phase_common.table_field(lut is not None),
+        value,
+        limit=num_slots,
+        slot=plan_rows.raw_slots,
+        position=plan_rows.positions,
+        entry=plan_rows.verify_rows,
+        request=rpi[jnp.maximum(plan_rows.verify_rows, 0)],
+    )
     full_loc = request_slots(batch, rows, full_num_slots=full_num_slots, lut=lut, num_slots=num_slots)
     # A request whose seed (its last cached slot) is bad starts a new chain: there is no record to continue from
     # or to compare positions with. (The seed is a cached position: the verify checks report it.)
@@ -354,4 +333,5 @@ def check_group(
         write_plan=write_plan,
         out_cache_loc=phase_common.write_slots(full_loc, gather_lut, lut_size, num_slots),
         entry_requests=jnp.stack([request, batch_row]),
+        table_issues=table_issues,
     )

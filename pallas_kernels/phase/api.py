@@ -87,6 +87,8 @@ def phase(
     window: int = 0,
     token_offset: int = 0,
     full_slots: int | None = None,
+    check_table: bool = False,
+    input_issues: jax.Array | None = None,
     backend: str = "auto",
 ) -> tuple[tuple[jax.Array, ...], Log, jax.Array]:
     """One HEAD or TAIL phase of a group: plans, then per half verify K/V and write K/V, rows, counters.
@@ -108,6 +110,13 @@ def phase(
       full_slots: static slot count of the FULL pool (the range of ``req_to_token``'s values); None: the buffers'.
         Plan entries whose slots the pools cannot hold are left out (``common.plan_slots``); tokens whose slot is
         outside this group's pool are skipped.
+      check_table: report those ``req_to_token`` values of the listed plan entries (the first
+        ``verify_capacity`` cached positions, overflow or not) as ``INVALID_INPUT`` rows, tagged ``tags[0]``, ahead
+        of the launches' rows (``common.slot_issue``, ``common.input_row``); for the phase that checks the
+        batch (the HEAD's).
+      input_issues: i32[8, n] ``INVALID_INPUT`` candidates the caller checked itself, one per column (rows
+        ``common.INPUT_ISSUE_FIELDS``: problem, 0 for none; field; value; limit; slot; position; batch entry;
+        request row), placed first, in column order, tagged ``tags[0]``; None: none.
       backend: ``"xla"`` (``reference``), ``"pallas"`` (the Triton kernels on GPU), ``"interpret"`` (them,
         interpreted) or ``"auto"`` (the Triton kernels on GPU, else ``"xla"``). There are no Mosaic kernels:
         ``"pallas"`` lowered for TPU and ``"interpret_tpu"`` raise (the runner uses the per-launch ops there).
@@ -152,6 +161,13 @@ def phase(
     checks.static_int("token_offset", token_offset, minimum=-(2**31))
     if full_slots is not None:
         full_slots = checks.positive_int("full_slots", full_slots)
+    if not isinstance(check_table, bool):
+        raise TypeError(f"check_table must be a bool; got {check_table!r}")
+    if input_issues is not None:
+        fields = len(common.INPUT_ISSUE_FIELDS)
+        checks.array("input_issues", input_issues, dtype=jnp.int32, shape=(fields, None))
+        if input_issues.shape[1] == 0:
+            input_issues = None
     if window > 0 and batch.full_to_swa_index_mapping is None:
         raise ValueError(f"window={window} needs batch.full_to_swa_index_mapping (the full->SWA LUT)")
     static = dict(
@@ -161,13 +177,16 @@ def phase(
         window=window,
         token_offset=token_offset,
         full_slots=full_slots,
+        check_table=check_table,
     )
 
-    def xla(buffers, log, batch, cpa, sources):
-        return reference.phase(buffers, log, batch, cpa, real_kv_sources=sources, **static)
+    def xla(buffers, log, batch, cpa, sources, issues):
+        return reference.phase(buffers, log, batch, cpa, real_kv_sources=sources, input_issues=issues, **static)
 
-    def triton(buffers, log, batch, cpa, sources, *, interpret):
-        return pallas_triton.phase(buffers, log, batch, cpa, sources, interpret=interpret, **static)
+    def triton(buffers, log, batch, cpa, sources, issues, *, interpret):
+        return pallas_triton.phase(
+            buffers, log, batch, cpa, sources, interpret=interpret, input_issues=issues, **static
+        )
 
     run = backends.dispatch(backend, xla=xla, triton=triton, mosaic=None)
-    return run(buffers, log, batch, enable_chain_position_assert, real_kv_sources)
+    return run(buffers, log, batch, enable_chain_position_assert, real_kv_sources, input_issues)

@@ -123,8 +123,8 @@ def _walk(inp: tc.Inputs, r, outs, st: tc.Static) -> None:
 
 
 def _check_kernel(*refs, st: tc.Static):
-    """Chain walks (programs < R), then verify blocks: each block's flag count per half."""
-    inp, (vcount_ref, *chain_outs) = tc.take(refs, st)  # vcount i32[H, B]; see _walk for the rest
+    """Chain walks (programs < R), then verify blocks: each block's flag count per half (and its table issues)."""
+    inp, (vcount_ref, *chain_outs) = tc.take(refs, st)  # vcount i32[H (+1), B]; see _walk for the rest
     pid, num_reqs, block = pl.program_id(0), st.num_reqs, st.config.verify_block
 
     @pl.when(pid < num_reqs)
@@ -138,7 +138,8 @@ def _check_kernel(*refs, st: tc.Static):
         t = b * block + tc.arange(block)
         req, start, total = tc.locate(inp, t, st)
         active = jnp.where(total > st.capacity, 0, total)
-        busy = b * block < active
+        listed = jnp.minimum(total, st.capacity)  # the table issues are checked even when the verify overflows
+        busy = b * block < (listed if st.check_table else active)
 
         @pl.when(busy)
         def _check():
@@ -146,10 +147,13 @@ def _check_kernel(*refs, st: tc.Static):
             for h in range(st.halves):
                 bits, _, _ = tc.check_half(inp, h, entries, st)
                 vcount_ref[h, b] = jnp.sum((bits != 0).astype(jnp.int32), dtype=jnp.int32)
+            if st.check_table:
+                issues = tc.table_issues(inp, t, req, start, listed, st)
+                vcount_ref[st.halves, b] = jnp.sum((issues.problem != 0).astype(jnp.int32), dtype=jnp.int32)
 
         @pl.when(jnp.logical_not(busy))
         def _idle():
-            for h in range(st.halves):
+            for h in range(vcount_ref.shape[0]):
                 vcount_ref[h, b] = jnp.int32(0)
 
 
@@ -160,8 +164,9 @@ def _ring_kernel(*refs, st: tc.Static):
     """Places the rows of every flagged verify block and request in the ring; program 0 also does the counts."""
     inp, rest = tc.take(refs, st)
     vcount_ref, req_count_ref, prev_hash_ref, expected_ref, flags_ref = rest[:5]
-    # rest[5] (and rest[6] with a context) are the ring (and its context) inputs, aliased to their outputs.
-    first = 7 if st.has_context else 6
+    issues_ref = rest[5] if st.num_issues else None
+    # Then the ring (and its context) inputs, aliased to their outputs.
+    first = 5 + bool(st.num_issues) + 1 + st.has_context
     index_ref, kernel_ref, slot_ref = rest[first : first + 3]
     ring_ref, *context_out, index_out, kernel_out, slot_out, enable_out = rest[first + 3 :]
     context_ref = context_out[0] if context_out else None
@@ -176,12 +181,32 @@ def _ring_kernel(*refs, st: tc.Static):
     def write_total(h):
         return tc.row_sum(req_count_ref, h, num_reqs, st)
 
+    issue_total = tc.row_sum(issues_ref, 0, st.num_issues, st, flags=True) if st.num_issues else jnp.int32(0)
+    table_total = tc.row_sum(vcount_ref, st.halves, num_blocks, st) if st.check_table else jnp.int32(0)
+
     def launch_base(h):
-        """Rows of the launches before half h's verify: verify and write of every earlier half."""
-        base = jnp.int32(0)
+        """Rows before half h's verify: the caller's issues, the table's, then verify and write of every earlier
+        half."""
+        base = issue_total + table_total
         for g in range(h):
             base = base + verify_total(g) + write_total(g)
         return base
+
+    if st.num_issues:
+
+        @pl.when((pid == 0) & (room > 0) & (issue_total > 0))
+        def _issue_rows():
+            _place_issue_rows(issues_ref, index, room, ring_ref, context_ref, st)
+
+    if st.check_table:
+
+        @pl.when((pid < num_blocks) & (room > 0) & (vcount_ref[st.halves, jnp.minimum(pid, num_blocks - 1)] > 0))
+        def _table_rows():
+            rel = issue_total + tc.row_sum(vcount_ref, st.halves, pid, st)
+
+            @pl.when(rel < room)
+            def _place():
+                _place_table_rows(inp, pid, rel, index, room, ring_ref, context_ref, st)
 
     for h in range(st.halves):
 
@@ -206,7 +231,7 @@ def _ring_kernel(*refs, st: tc.Static):
 
     @pl.when(pid == 0)
     def _bookkeeping():
-        flagged = jnp.int32(0)
+        flagged = issue_total + table_total
         for h in range(st.halves):
             flagged = flagged + verify_total(h) + write_total(h)
         index_out[0] = index + jnp.minimum(flagged, _INT32_MAX - index)  # saturates instead of wrapping
@@ -230,6 +255,49 @@ def _bump(counter_ref, out_ref, increments) -> None:
     new = hash64.add(old, (add, jnp.zeros_like(add)))
     for w in (0, 1):
         plt.store(out_ref.at[lanes, word(w)], new[w], mask=valid)
+
+
+def _place_issue_rows(issues_ref, index, room, ring_ref, context_ref, st: tc.Static) -> None:
+    """Writes the caller's flagged ``input_issues`` columns' rows first in the ring, in column order."""
+    chunk, capacity = st.config.token_chunk, ring_ref.shape[0]
+
+    def body(c, done):
+        j = c * chunk + tc.arange(chunk)
+        m = j < st.num_issues
+        at = {name: tc.load_row(issues_ref, f, j, m) for f, name in enumerate(common.INPUT_ISSUE_FIELDS)}
+        flagged = (at["problem"] != 0).astype(jnp.int32)
+        k = done + jnp.cumsum(flagged, dtype=jnp.int32) - flagged
+        ok = (flagged != 0) & (k < room)
+        fields = common.input_row(st.tags[0], **at)
+        context = (at["request"], at["position"], at["entry"])
+        tc.store_row(ring_ref, jnp.where(ok, index + k, capacity), ok, fields, context_ref, context)
+        return done + jnp.sum(flagged, dtype=jnp.int32)
+
+    lax.fori_loop(jnp.int32(0), jnp.int32(-(-st.num_issues // chunk)), body, jnp.int32(0))
+
+
+def _place_table_rows(inp, b, rel, index, room, ring_ref, context_ref, st: tc.Static) -> None:
+    """Recomputes block ``b``'s table issues and writes their ``INVALID_INPUT`` rows at ``index + rel + rank``."""
+    t = b * st.config.verify_block + tc.arange(st.config.verify_block)
+    req, start, total = tc.locate(inp, t, st)
+    issues = tc.table_issues(inp, t, req, start, jnp.minimum(total, st.capacity), st)
+    flagged = (issues.problem != 0).astype(jnp.int32)
+    k = rel + jnp.cumsum(flagged, dtype=jnp.int32) - flagged
+    ok = (flagged != 0) & (k < room)
+    request = inp.rpi[req]
+    fields = common.input_row(
+        st.tags[0],
+        issues.problem,
+        common.table_field(st.has_lut),
+        issues.value,
+        st.group_slots,
+        issues.raw,
+        issues.position,
+        req,
+        request,
+    )
+    context = (request, issues.position, req)
+    tc.store_row(ring_ref, jnp.where(ok, index + k, ring_ref.shape[0]), ok, fields, context_ref, context)
 
 
 def _place_verify_rows(inp, h: int, b, rel, index, room, ring_ref, context_ref, st: tc.Static) -> None:
@@ -352,6 +420,7 @@ def _store_kernel(*refs, st: tc.Static):
         "window",
         "token_offset",
         "full_slots",
+        "check_table",
         "interpret",
         "config",
     ),
@@ -369,6 +438,8 @@ def phase(
     window: int = 0,
     token_offset: int = 0,
     full_slots: int | None = None,
+    check_table: bool = False,
+    input_issues: jax.Array | None = None,
     interpret: bool = False,
     config: Config | None = None,
 ) -> tuple[tuple[jax.Array, ...], common.Log, jax.Array]:
@@ -376,7 +447,7 @@ def phase(
 
     Args:
       buffers, log, batch, enable_chain_position_assert, real_kv_sources, tags, real_kv_hash_mode,
-      verify_capacity, window, token_offset, full_slots: as in ``reference.phase``.
+      verify_capacity, window, token_offset, full_slots, check_table, input_issues: as in ``reference.phase``.
       interpret: run the kernels in Pallas interpret mode (any platform).
       config: launch shapes; ``heuristic(verify_capacity, T)`` when None.
 
@@ -405,6 +476,8 @@ def phase(
         full_slots=full_slots or group_slots,
         group_slots=group_slots,
         has_context=log.context is not None,
+        check_table=check_table,
+        num_issues=0 if input_issues is None else input_issues.shape[1],
     )
     inputs = tc.input_arrays(batch, enable_chain_position_assert, buffers, sources, interpret=interpret)
     num_blocks = pl.cdiv(verify_capacity, config.verify_block)
@@ -419,7 +492,7 @@ def phase(
     )
     checked = call(
         functools.partial(_check_kernel, st=st),
-        out_shape=(jax.ShapeDtypeStruct((halves, num_blocks), i32), *chain_outs),
+        out_shape=(jax.ShapeDtypeStruct((halves + check_table, num_blocks), i32), *chain_outs),
         grid=(num_reqs + num_blocks,),
         name=f"kvcanary_phase_check_block={config.verify_block}",
         interpret=interpret,
@@ -427,10 +500,12 @@ def phase(
 
     ring_rows = log.ring.reshape(log.ring.shape[0], -1)  # u32[capacity, 16]
     context = () if log.context is None else (log.context,)
+    issues = () if input_issues is None else (input_issues,)
     ring_inputs = (
-        *inputs, *checked, ring_rows, *context, log.write_index, log.kernel_run_counters, log.slot_run_counters
+        *inputs, *checked, *issues, ring_rows, *context, log.write_index, log.kernel_run_counters,
+        log.slot_run_counters,
     )  # fmt: skip
-    first_ring = len(inputs) + len(checked)
+    first_ring = len(inputs) + len(checked) + len(issues)
     ring_rows, *context, write_index, kernel_counters, slot_counters, enable = call(
         functools.partial(_ring_kernel, st=st),
         out_shape=(

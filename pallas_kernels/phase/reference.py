@@ -39,6 +39,10 @@ class Plan(NamedTuple):
     write_offsets: jax.Array  # i32[R + 1]
     seed_slot_indices: jax.Array  # i32[R]
     entry_rows: jax.Array  # i32[capacity] each entry's batch row
+    positions: jax.Array  # i32[capacity] each listed entry's position (expected_positions before the overflow)
+    raw_slots: jax.Array  # i32[capacity] each listed entry's req_to_token value
+    table_problems: jax.Array  # i32[capacity] common.slot_issue of the listed entries, 0 past them
+    table_values: jax.Array  # i32[capacity] the value each table row names
 
 
 def _lut(batch: common.Batch):
@@ -77,6 +81,7 @@ def build_plan(
         known = (token_pos >= 0) & (token_pos < batch.token_pool_lens[req])
         expected_token = jnp.where(known, pool[row, jnp.clip(token_pos, 0, pool.shape[1] - 1)], -1)
     used = (t < num_valid) & ~overflow
+    problem, value = common.slot_issue(raw, gather_lut, lut_size, full_slots=full_slots, group_slots=group_slots)
 
     seed = common.seed_slot(
         rtt[rpi, jnp.clip(prefix - 1, 0, max_context - 1)],
@@ -96,6 +101,10 @@ def build_plan(
         write_offsets=jnp.concatenate([jnp.zeros((1,), jnp.int32), prefix_sums.inclusive_sum(batch.span_lens)]),
         seed_slot_indices=seed.astype(jnp.int32),
         entry_rows=req.astype(jnp.int32),
+        positions=pos,
+        raw_slots=raw,
+        table_problems=jnp.where(t < num_valid, problem, 0),
+        table_values=value,
     )
 
 
@@ -145,6 +154,24 @@ def bump(counters: jax.Array, increments: dict[int, jax.Array]) -> jax.Array:
     return hash64.join(hash64.add(hash64.split(counters), (add, jnp.zeros_like(add))))
 
 
+def _table_rows(batch: common.Batch, plan: Plan, entries, tag: int, group_slots: int):
+    """(rows, context) of the ``INVALID_INPUT`` rows of table-issue ``entries``."""
+    batch_row, position = plan.entry_rows[entries], plan.positions[entries]
+    request = batch.req_pool_indices[batch_row]
+    fields = common.input_row(
+        tag,
+        plan.table_problems[entries],
+        common.table_field(batch.full_to_swa_index_mapping is not None),
+        plan.table_values[entries],
+        group_slots,
+        plan.raw_slots[entries],
+        position,
+        batch_row,
+        request,
+    )
+    return common.pack_row(fields), common.row_context(request, position, batch_row)
+
+
 def _verify_rows(buf, batch: common.Batch, plan: Plan, bits, entries, tag: int, check: bool):
     """(rows, context) of verify flag ``entries``."""
     slot, prev = plan.slot_indices[entries], plan.prev_slot_indices[entries]
@@ -187,6 +214,8 @@ def phase(
     window: int = 0,
     token_offset: int = 0,
     full_slots: int | None = None,
+    check_table: bool = False,
+    input_issues: jax.Array | None = None,
 ) -> tuple[tuple[jax.Array, ...], common.Log, jax.Array]:
     """One phase of one group: per half, verify the plan's cached slots, then write this step's records.
 
@@ -203,6 +232,10 @@ def phase(
       window: > 0 verifies only the last ``window`` cached positions (SWA); 0 verifies all.
       token_offset: the token at KV position p is token p + offset (token check only).
       full_slots: the FULL pool's slot count (``req_to_token``'s values); None: the buffers' (a FULL group).
+      check_table: report the listed plan entries' ``req_to_token`` values the pools cannot hold
+        (:func:`common.slot_issue`) as ``INVALID_INPUT`` rows tagged ``tags[0]``, ahead of the launches' rows.
+      input_issues: i32[8, n] ``INVALID_INPUT`` candidates the caller checked (rows ``common.INPUT_ISSUE_FIELDS``;
+        problem 0: none), placed first, in order, tagged ``tags[0]``; or None.
 
     Returns:
       ``(buffers, log, enable)``: the new buffers and log, and i32[1] 0 when the verify plan overflowed.
@@ -222,6 +255,14 @@ def phase(
     loc = common.write_slots(batch.out_cache_loc, gather_lut, lut_size, group_slots)
     num_reqs, capacity = batch.req_pool_indices.shape[0], log.ring.shape[0]
     pending, new_buffers, written = [], [], None
+    if input_issues is not None:
+        count, entries = first_flagged(input_issues[0] != 0, capacity)
+        at = input_issues[:, entries]
+        fields = common.input_row(tags[0], *at)
+        pending.append((count, common.pack_row(fields), common.row_context(at[7], at[5], at[6])))
+    if check_table:
+        count, entries = first_flagged(plan.table_problems != 0, capacity)
+        pending.append((count, *_table_rows(batch, plan, entries, tags[0], group_slots)))
     for buf, sources, tag in zip(buffers, real_kv_sources, tags, strict=True):
         bits = verify_reference.verify_bits(
             buf,

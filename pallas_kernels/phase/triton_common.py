@@ -66,6 +66,8 @@ class Static:
     full_slots: int  # the FULL pool's slots: the range of req_to_token's values
     group_slots: int  # this group's slots (its canary buffers')
     has_context: bool = False  # the ring carries a context array
+    check_table: bool = False  # report the listed entries' table issues (common.slot_issue) first
+    num_issues: int = 0  # columns of the caller's input_issues (placed before everything)
 
     @property
     def halves(self) -> int:
@@ -164,14 +166,16 @@ def translate(inp: Inputs, slots: jax.Array) -> jax.Array:
     return common.translate(slots, *lut_reader(inp))
 
 
-def row_sum(ref, h: int, upto, st: Static) -> jax.Array:
-    """i32[]: the sum of ``ref[h, :upto]`` (a 2-D count ref), ``sum_chunk`` counts per step."""
+def row_sum(ref, h: int, upto, st: Static, *, flags: bool = False) -> jax.Array:
+    """i32[]: the sum of ``ref[h, :upto]`` (a 2-D count ref), ``sum_chunk`` counts per step; with ``flags``, the
+    number of nonzero values instead."""
     n = ref.shape[1]
     chunk = min(st.config.sum_chunk, compat.next_power_of_2(n))
 
     def body(c, acc):
         j = c * chunk + arange(chunk)
-        return acc + jnp.sum(load_row(ref, h, j, (j < n) & (j < upto)), dtype=jnp.int32)
+        values = load_row(ref, h, j, (j < n) & (j < upto))
+        return acc + jnp.sum((values != 0).astype(jnp.int32) if flags else values, dtype=jnp.int32)
 
     return loop(-(-n // chunk), body, jnp.int32(0))
 
@@ -243,14 +247,19 @@ def locate(inp: Inputs, t: jax.Array, st: Static):
     return jnp.minimum(count, n - 1), start, total
 
 
-def plan_entries(inp: Inputs, t: jax.Array, req: jax.Array, start: jax.Array, active, st: Static) -> Entries:
-    """The plan entries ``t`` of requests ``req`` (from :func:`locate`); entries past ``active`` are zeroed."""
-    prefix, rpi = inp.prefix[req], inp.rpi[req]
-    position = common.window_start(prefix, st.window) + t - start
+def _table_values(inp: Inputs, t: jax.Array, req: jax.Array, start: jax.Array, st: Static):
+    """(position, table row, raw value, raw predecessor) of plan entries ``t`` of requests ``req``."""
+    position = common.window_start(inp.prefix[req], st.window) + t - start
     num_rows, max_context = inp.rtt.shape
-    row = common.jnp_index(rpi, num_rows)
+    row = common.jnp_index(inp.rpi[req], num_rows)
     raw = inp.rtt[row, jnp.clip(position, 0, max_context - 1)]
     raw_prev = jnp.where(position > 0, inp.rtt[row, jnp.clip(position - 1, 0, max_context - 1)], -1)
+    return position, row, raw, raw_prev
+
+
+def plan_entries(inp: Inputs, t: jax.Array, req: jax.Array, start: jax.Array, active, st: Static) -> Entries:
+    """The plan entries ``t`` of requests ``req`` (from :func:`locate`); entries past ``active`` are zeroed."""
+    position, row, raw, raw_prev = _table_values(inp, t, req, start, st)
     gather_lut, lut_size = lut_reader(inp)
     slot, prev = common.plan_slots(
         raw, raw_prev, position, gather_lut, lut_size, full_slots=st.full_slots, group_slots=st.group_slots
@@ -259,7 +268,7 @@ def plan_entries(inp: Inputs, t: jax.Array, req: jax.Array, start: jax.Array, ac
     if st.has_pool:
         token_pos = position + st.token_offset
         known = (token_pos >= 0) & (token_pos < inp.pool_lens[req])
-        pool_row = common.jnp_index(rpi, inp.pool.shape[0])
+        pool_row = common.jnp_index(inp.rpi[req], inp.pool.shape[0])
         token = jnp.where(known, inp.pool[pool_row, jnp.clip(token_pos, 0, inp.pool.shape[1] - 1)], -1)
     used = t < active
     return Entries(
@@ -271,6 +280,22 @@ def plan_entries(inp: Inputs, t: jax.Array, req: jax.Array, start: jax.Array, ac
         token=jnp.where(used, token, -1),
         active=active,
     )
+
+
+class TableIssues(NamedTuple):
+    """A block's ``common.slot_issue`` results (i32[block] each); ``problem`` is 0 past the listed entries."""
+
+    problem: jax.Array
+    value: jax.Array
+    raw: jax.Array
+    position: jax.Array
+
+
+def table_issues(inp: Inputs, t: jax.Array, req: jax.Array, start: jax.Array, listed, st: Static) -> TableIssues:
+    """The table issues of plan entries ``t`` (the first ``listed`` entries are checked, overflow or not)."""
+    position, _, raw, _ = _table_values(inp, t, req, start, st)
+    problem, value = common.slot_issue(raw, *lut_reader(inp), full_slots=st.full_slots, group_slots=st.group_slots)
+    return TableIssues(jnp.where(t < listed, problem, 0), value, raw, position)
 
 
 def check_half(inp: Inputs, h: int, e: Entries, st: Static):

@@ -77,6 +77,8 @@ def _fused(buffers, log, batch, cpa, sources, *, tags, shape, backend):
         window=shape.window,
         token_offset=shape.token_offset,
         full_slots=shape.num_slots,
+        check_table=shape.check_table,  # valid tables: no INVALID_INPUT rows to add
+        input_issues=None,
         backend=backend,
     )
 

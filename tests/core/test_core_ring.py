@@ -226,6 +226,13 @@ def _spec_append(ring, index, flags, rows):
     return out, min(index + int(ones.sum()), INT32_MAX)
 
 
+def _launch_rows(n: int, size: int) -> tuple[np.ndarray, np.ndarray]:
+    """Distinct rows and contexts for launch ``n``'s ``size`` candidates."""
+    rows = (np.arange(size * 16, dtype=np.uint32).reshape(size, 8, 2) + 1000 * n).astype(np.uint32)
+    context = np.stack([np.full(size, n), np.arange(size), -np.arange(size)], -1).astype(np.int32)
+    return rows, context
+
+
 @hypothesis.settings(max_examples=40, deadline=None)
 @hypothesis.given(
     capacity=st.integers(1, 12),
@@ -244,8 +251,7 @@ def test_batched_appends_match_the_spec_scatter_form(capacity, index, launches):
     want_ring, want_context, want_index, sources = old, old_context, index, []
     for n, flags in enumerate(launches):
         flags = np.asarray(flags, bool)
-        rows = (np.arange(flags.size * 16, dtype=np.uint32).reshape(flags.size, 8, 2) + 1000 * n).astype(np.uint32)
-        context = np.stack([np.full(flags.size, n), np.arange(flags.size), -np.arange(flags.size)], -1).astype(np.int32)
+        rows, context = _launch_rows(n, flags.size)
         want_context, _ = _spec_append(want_context, want_index, flags, context)
         want_ring, want_index = _spec_append(want_ring, want_index, flags, rows)
         sources.append(
@@ -255,3 +261,31 @@ def test_batched_appends_match_the_spec_scatter_form(capacity, index, launches):
     np.testing.assert_array_equal(np.asarray(new.violation_ring), want_ring)
     np.testing.assert_array_equal(np.asarray(new.violation_context), want_context)
     assert int(new.violation_write_index[0]) == want_index
+
+
+@hypothesis.settings(max_examples=60, deadline=None)
+@hypothesis.given(
+    capacity=st.integers(1, 12),
+    index=st.one_of(st.integers(0, 16), st.just(INT32_MAX - 3)),
+    launches=st.lists(st.lists(st.booleans(), min_size=0, max_size=16), min_size=1, max_size=3),
+)
+@hypothesis.example(capacity=8, index=0, launches=[[True, False, False]])  # unflagged rows after the last flag
+@hypothesis.example(capacity=4, index=2, launches=[[False, True, True, True], [True] * 6])  # both paths, overflow
+def test_single_appends_match_the_spec_scatter_form(capacity, index, launches):
+    """``_ops.append``, one launch at a time: the direct scatter (no more flags than ring rows) and the listing
+    (more) both equal SPEC's scatter."""
+    log = kc.ViolationLog(
+        violation_ring=jnp.full((capacity, 8, 2), 7, jnp.uint32),
+        violation_write_index=jnp.asarray([index], jnp.int32),
+        violation_context=jnp.full((capacity, 3), -7, jnp.int32),
+    )
+    want_ring, want_context, want_index = np.asarray(log.violation_ring), np.asarray(log.violation_context), index
+    for n, flags in enumerate(launches):
+        flags = np.asarray(flags, bool)
+        rows, context = _launch_rows(n, flags.size)
+        want_context, _ = _spec_append(want_context, want_index, flags, context)
+        want_ring, want_index = _spec_append(want_ring, want_index, flags, rows)
+        log = _ops.append(log, jnp.asarray(flags), lambda e, r=rows, c=context: (jnp.asarray(r)[e], jnp.asarray(c)[e]))
+    np.testing.assert_array_equal(np.asarray(log.violation_ring), want_ring)
+    np.testing.assert_array_equal(np.asarray(log.violation_context), want_context)
+    assert int(log.violation_write_index[0]) == want_index

@@ -41,6 +41,7 @@ class Shape:
     input_assert: bool = False
     token_offset: int = 0
     max_extend: int = 3  # tokens a request writes: up to 3 (decode, speculative), more for a prefill chunk
+    check_table: bool = False  # the phase reports the bad table values (INVALID_INPUT rows) first
 
 
 def make_case(
@@ -109,6 +110,8 @@ def make_case(
     if s.swa_slots:
         lut = rng.integers(0, s.swa_slots, s.num_slots + 1).astype(np.int32)
         lut[rng.random(lut.shape) < 0.1] = 0  # evicted
+        if out_of_range:
+            lut[rng.random(lut.shape) < 0.15] = s.swa_slots + 5  # past the SWA pool: skipped (reported when checked)
         lut[0] = 0  # the padding slot maps to the padding slot
     pool = pool_lens = None
     if s.token_check:

@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from pallas_kernels import layout
 from pallas_kernels.phase import api, common, pallas_triton, reference
 from tests.pallas_kernels import kernel_cases as cases
 from tests.pallas_kernels.phase_cases import RING_STARTS, Shape, make_case
@@ -16,7 +17,7 @@ BF16_P4 = cases.SourceSpec("bfloat16", 4, 64, 48, row_padding=16)
 I8_P16 = cases.SourceSpec("int8", 16, 16, 16)
 F8_P1 = cases.SourceSpec("float8_e4m3fn", 1, 32, 16)
 VARIANTS = {
-    "head_kv_input_assert": Shape(input_assert=True, ring_capacity=32),
+    "head_kv_input_assert_table": Shape(input_assert=True, ring_capacity=32, check_table=True),
     "tail_kv_all_token_check": Shape(mode=2, sources=(BF16_P4, I8_P16), token_check=True, ring_capacity=64),
     "swa_k_partial_everything": Shape(
         halves=1,
@@ -27,23 +28,26 @@ VARIANTS = {
         token_check=True,
         input_assert=True,
         token_offset=1,
+        check_table=True,
     ),
 }
 # Small blocks and chunks: many programs, every in-kernel loop runs several (and > 8, i.e. looped) steps.
 TINY_BLOCKS = pallas_triton.Config(
     verify_block=8, store_block=4, dedupe="pairwise", req_chunk=2, sum_chunk=2, token_chunk=2, compare_block=2
 )
-MANY = Shape(num_reqs=20, max_len=10, num_tokens=30, capacity=80, ring_capacity=64, input_assert=True)
+MANY = Shape(num_reqs=20, max_len=10, num_tokens=30, capacity=80, ring_capacity=64, input_assert=True, check_table=True)
 
 
 @functools.partial(jax.jit, static_argnames=("tags", "shape", "backend", "config"))
-def _phase(buffers, log, batch, cpa, sources, *, tags, shape, backend, config=None):
+def _phase(buffers, log, batch, cpa, sources, issues=None, *, tags, shape, backend, config=None):
     kwargs = dict(
+        input_issues=issues,
         tags=tags,
         real_kv_hash_mode=shape.mode,
         verify_capacity=shape.capacity,
         window=shape.window,
         token_offset=shape.token_offset,
+        check_table=shape.check_table,
     )
     if config is not None:
         return pallas_triton.phase(buffers, log, batch, cpa, sources, interpret=True, config=config, **kwargs)
@@ -62,10 +66,17 @@ def _grew(log, out) -> int:
     return int(out[1].write_index[0]) - int(log.write_index[0])
 
 
-def _landed_tags(log, out) -> set[int]:
-    """Launch tags of the rows a phase placed in the ring."""
+def _placed(log, out) -> np.ndarray:
+    """The rows a phase placed in the ring."""
     start, end = (min(int(x.write_index[0]), log.ring.shape[0]) for x in (log, out[1]))
-    return set(np.asarray(out[1].ring[start:end, 0, 0]).tolist())
+    return np.asarray(out[1].ring[start:end])
+
+
+def _landed_tags(log, out) -> set[int]:
+    """Launch tags of the rows a phase placed in the ring, and -1 for INVALID_INPUT rows (table checks)."""
+    rows = _placed(log, out)
+    invalid = rows[:, 7, 0] == layout.FAIL_INVALID_INPUT
+    return set(rows[~invalid, 0, 0].tolist()) | ({-1} if invalid.any() else set())
 
 
 @pytest.mark.parametrize("name", list(VARIANTS))
@@ -75,13 +86,17 @@ def test_kernels_equal_reference(name):
         case = make_case(seed, shape, ring_start=start)
         out = _assert_same(case, shape)
         grown += _grew(case[1], out)
+        landed |= _landed_tags(case[1], out) & {-1}
     for seed in range(3):  # mostly clean chains: rows of every launch land in the ring
         case = make_case(10 + seed, shape, ring_start="empty", primed=True)
         landed |= _landed_tags(case[1], _assert_same(case, shape))
-    assert landed == set(case[-1]), f"rows of tags {set(case[-1]) - landed} never landed"
+    want = set(case[-1]) | ({-1} if shape.check_table else set())
+    assert landed == want, f"rows of tags {want - landed} never landed (-1: table checks)"
     overflowing = make_case(99, shape, overflow=True)  # more entries than verify_capacity: verify skipped
     out = _assert_same(overflowing, shape)
     assert int(out[2][0]) == (1 if shape.window else 0)  # a window keeps the SWA plan within capacity
+    if not shape.window:  # the table checks cover the listed entries even when the verify overflows
+        assert (-1 in _landed_tags(overflowing[1], out)) == shape.check_table
     assert grown > 0, "random records must make the launches append rows"
 
 
@@ -107,6 +122,44 @@ def test_many_programs_and_both_winner_rules(config):
     for seed, start in zip(range(3), ("empty", "mid", "almost_full"), strict=True):
         _assert_same(make_case(seed, MANY, ring_start=start), MANY, config)
         _assert_same(make_case(seed, MANY, ring_start=start, primed=True), MANY, config)
+
+
+def _random_issues(rng, n: int) -> np.ndarray:
+    """i32[8, n] input issues: about 40 % flagged, any values (negative ones too)."""
+    issues = rng.integers(-5, 50, (len(common.INPUT_ISSUE_FIELDS), n)).astype(np.int32)
+    issues[0] = np.where(rng.random(n) < 0.4, rng.integers(1, 7, n), 0)
+    issues[1] = rng.integers(1, 8, n)
+    return issues
+
+
+def _issue_row(tag: int, column: np.ndarray) -> np.ndarray:
+    """The ring row of one flagged issue column, by hand: seven sign-extended i64 fields and the fail bits."""
+    problem, field, value, limit, slot, position, entry, request = (int(x) for x in column)
+    words = [tag, slot, position, value, limit, entry, request]
+    row = [((w & 0xFFFFFFFF), (w >> 32) & 0xFFFFFFFF) for w in words]
+    row.append((layout.FAIL_INVALID_INPUT, field | problem << 8))
+    return np.asarray(row, np.uint32)
+
+
+@pytest.mark.parametrize("config", [TINY_BLOCKS, None], ids=["tiny_blocks", "default"])
+@pytest.mark.parametrize("ring_start", ["empty", "almost_full", "saturated"])
+def test_input_issues_come_first(ring_start, config):
+    """The caller's ``input_issues``: their flagged columns' rows land first, in column order, on every backend."""
+    shape = MANY
+    *args, tags = make_case(3, shape, ring_start=ring_start)
+    issues = _random_issues(np.random.default_rng(5), 70)  # 70 columns: several chunks of the ring kernel
+    want = _phase(*args, jnp.asarray(issues), tags=tags, shape=shape, backend="xla")
+    got = _phase(*args, jnp.asarray(issues), tags=tags, shape=shape, backend="interpret", config=config)
+    chex.assert_trees_all_equal(got, want)
+    log = args[1]
+    flagged = issues[:, issues[0] != 0]
+    start, capacity = int(log.write_index[0]), log.ring.shape[0]
+    placed = max(min(flagged.shape[1], capacity - start), 0)
+    expected = [_issue_row(tags[0], flagged[:, k]) for k in range(placed)]
+    ring = np.asarray(want[1].ring)
+    np.testing.assert_array_equal(ring[start : start + placed], np.asarray(expected).reshape(placed, 8, 2))
+    without = _phase(*args, tags=tags, shape=shape, backend="xla")
+    assert int(want[1].write_index[0]) == min(int(without[1].write_index[0]) + flagged.shape[1], 2**31 - 1)
 
 
 def test_no_tokens_and_one_request():
@@ -159,7 +212,7 @@ def test_a_clean_prefill_then_decode_is_silent():
 
 
 def test_api_checks_teach():
-    shape = VARIANTS["head_kv_input_assert"]
+    shape = VARIANTS["head_kv_input_assert_table"]
     buffers, log, batch, cpa, sources, tags = make_case(0, shape)
     call = functools.partial(
         api.phase, log=log, batch=batch, enable_chain_position_assert=cpa, verify_capacity=8, backend="xla"
@@ -170,6 +223,10 @@ def test_api_checks_teach():
         call((buffers[0], buffers[1][:5]), tags=tags)
     with pytest.raises(ValueError, match="window=3 needs batch.full_to_swa_index_mapping"):
         call(buffers, tags=tags, window=3)
+    with pytest.raises(TypeError, match="check_table must be a bool; got 1"):
+        call(buffers, tags=tags, check_table=1)
+    with pytest.raises(ValueError, match=r"input_issues must have shape \(8, \*\); got input_issues.shape=\(7, 2\)"):
+        call(buffers, tags=tags, input_issues=jnp.zeros((7, 2), jnp.int32))
     with pytest.raises(TypeError, match="batch.input_ids must have dtype int32"):
         api.phase(
             buffers,
