@@ -7,12 +7,14 @@ bumps; ``benchmarks/RESULTS.md``). Here a phase is:
     seed records are read before any store, as the write op reads the pre-launch buffer), programs ``[R, R + B)``
     verify one block of plan entries each, for every half. The plan is built in-kernel from the batch (request
     lookup, ``req_to_token`` gathers, window), so it is never materialised. Outputs are small: each verify block's
-    flag count per half, each request's row count per half and written count, and the chain's per-token results.
+    flag count per half (and, with ``check_table``, its count of table values the pools cannot hold), each
+    request's row count per half and written count, and the chain's per-token results.
   * ``kvcanary_phase_ring``: every verify block or request with flags recomputes its entries (the same plan and
     check code) and writes its rows straight into the ring at ``index + rank``; the rank is the flag counts of the
     launches and programs before it (SGLang's order: verify K, write K, verify V, write V; plan-entry order within
-    a launch), so the ring is byte-identical to the per-launch path. Clean programs only read their counts and
-    exit. Program 0 also advances the write index and bumps the counters.
+    a launch), so the ring is byte-identical to the per-launch path. The ``INVALID_INPUT`` rows come first: program
+    0 places the caller's ``input_issues``, then every block with table issues places theirs. Clean programs only
+    read their counts and exit. Program 0 also advances the write index and bumps the counters.
   * ``kvcanary_phase_store``: per block of tokens, folds the real KV and stores the records of both halves in
     place, with the write op's deterministic last-writer rule. It takes the ring kernel's index as an input, so it
     runs after every verify row was read from the buffers it overwrites.

@@ -4,8 +4,10 @@ A phase is SGLang's launch sequence for one group: build the verify and write pl
 (K, then V) verify the cached slots and write this step's records. Its effects on the shared state are those of
 the launches run one at a time in the order verify K, write K, verify V, write V: each launch's rows land in the
 fill-once ring in plan-entry order, a verify's rows are read from the buffer as it stood before the phase's writes,
-and every launch bumps its tag's counters. This file states that directly, from the verify, write and store
-references; the Triton kernels of ``pallas_triton`` must give the same bytes.
+and every launch bumps its tag's counters. ``INVALID_INPUT`` rows, when asked for, come before them all: the
+caller's ``input_issues``, then the plan's table values the pools cannot hold (``check_table``). This file states
+that directly, from the verify, write and store references; the Triton kernels of ``pallas_triton`` must give the
+same bytes.
 """
 
 from __future__ import annotations
