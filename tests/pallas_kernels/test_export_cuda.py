@@ -168,7 +168,8 @@ def test_canary_ops_lower():
 def _phase_args(tokens, *, swa: bool):
     i32 = lambda *shape: S(shape, jnp.int32)  # noqa: E731
     num_slots = 400 if swa else NUM_SLOTS
-    log = phase_common.Log(S((64, 8, 2), jnp.uint32), i32(1), S((12, 2), jnp.uint32), S((12, 2), jnp.uint32))
+    counters = S((12, 2), jnp.uint32)
+    log = phase_common.Log(S((64, 8, 2), jnp.uint32), i32(1), counters, counters, i32(64, 3), i32(1))
     batch = phase_common.Batch(
         i32(REQS),
         i32(REQS),
@@ -182,6 +183,8 @@ def _phase_args(tokens, *, swa: bool):
         i32(REQS),
         i32(tokens),
         i32(tokens),
+        i32(REQS),
+        i32(REQS),
     )
     buffers = (S((num_slots, 4, 2), jnp.uint32),) * 2
     return buffers, log, batch, i32(1)
@@ -200,7 +203,7 @@ def test_phase_lowers(tokens, swa):
         for dtypes in ((jnp.bfloat16,), (jnp.float8_e4m3fn, jnp.int8))
     )
 
-    def fn(buffers, log, batch, cpa, sources):
+    def fn(buffers, log, batch, cpa, sources, issues):
         return phase_api.phase(
             buffers,
             log,
@@ -212,10 +215,16 @@ def test_phase_lowers(tokens, swa):
             verify_capacity=CAPACITY,
             window=6 if swa else 0,
             token_offset=1,
+            full_slots=NUM_SLOTS,
+            check_table=True,
+            skip_bad_requests=True,
+            input_issues=issues,
             backend="pallas",
         )
 
-    text = _export(jax.jit(fn, donate_argnums=(0, 1)), buffers, log, batch, cpa, sources)
+    # Every optional input and switch: the rows' context, the overflow count, explicit roles, the caller's issues.
+    issues = S((len(phase_common.INPUT_ISSUE_FIELDS), 2 * REQS + tokens), jnp.int32)
+    text = _export(jax.jit(fn, donate_argnums=(0, 1)), buffers, log, batch, cpa, sources, issues)
     assert text.count(compat.TRITON_CUSTOM_CALL_TARGET) == 3
     dedupe = "pairwise" if tokens <= write_triton.PAIRWISE_MAX_TOKENS else "sort"
     for name in ("kvcanary_phase_check_block=128", "kvcanary_phase_ring", f"kvcanary_phase_store_block=128_{dedupe}"):
