@@ -174,14 +174,16 @@ def _input_issue_rows(input_issues: jax.Array, entries, tag: int):
     return common.pack_row(common.input_row(tag, **at)), common.row_context(at["request"], at["position"], at["entry"])
 
 
-def skip_rejected_requests(batch: common.Batch, gather_lut, lut_size, *, full_slots: int, group_slots: int):
+def skip_rejected_requests(
+    batch: common.Batch, write_offsets: jax.Array, gather_lut, lut_size, *, full_slots: int, group_slots: int
+):
     """``batch.out_cache_loc`` with every token of a row that is not a request, and of a request with a new slot
-    the group cannot store (:func:`common.slot_rejected`), skipped (-1): such a request writes nothing."""
+    the group cannot store (:func:`common.slot_rejected`), skipped (-1): such a request writes nothing.
+    ``write_offsets`` (i32[R + 1]) bound the rows' token spans."""
     loc = batch.out_cache_loc
-    ends = prefix_sums.inclusive_sum(batch.span_lens)
     t = jnp.arange(loc.shape[0], dtype=jnp.int32)
-    covered = t < ends[-1]
-    row = common.token_row(jnp.concatenate([jnp.zeros((1,), jnp.int32), ends]), t)
+    covered = t < write_offsets[-1]
+    row = common.token_row(write_offsets, t)
     rejected = covered & common.slot_rejected(loc, gather_lut, lut_size, full_slots=full_slots, group_slots=group_slots)
     rejects = jnp.zeros(batch.span_lens.shape, jnp.int32).at[row].max(rejected.astype(jnp.int32))
     return jnp.where(covered & (batch.active[row] != 0) & (rejects[row] == 0), loc, -1)
@@ -274,7 +276,12 @@ def phase(
     loc = batch.out_cache_loc
     if skip_bad_requests:
         loc = skip_rejected_requests(
-            batch, gather_lut, lut_size, full_slots=full_slots or group_slots, group_slots=group_slots
+            batch,
+            plan.write_offsets,
+            gather_lut,
+            lut_size,
+            full_slots=full_slots or group_slots,
+            group_slots=group_slots,
         )
     loc = common.write_slots(loc, gather_lut, lut_size, group_slots)
     num_reqs, capacity = batch.req_pool_indices.shape[0], log.ring.shape[0]

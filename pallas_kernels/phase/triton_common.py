@@ -253,7 +253,6 @@ class TableValues(NamedTuple):
     """What plan entries read from ``req_to_token`` (i32[block] each)."""
 
     position: jax.Array
-    row: jax.Array  # the table row read
     raw: jax.Array  # the value at the position
     raw_prev: jax.Array  # the value at the position before (-1 for a chain head)
 
@@ -265,7 +264,7 @@ def table_values(inp: Inputs, t: jax.Array, req: jax.Array, start: jax.Array, st
     row = common.jnp_index(inp.rpi[req], num_rows)
     raw = inp.rtt[row, jnp.clip(position, 0, max_context - 1)]
     raw_prev = jnp.where(position > 0, inp.rtt[row, jnp.clip(position - 1, 0, max_context - 1)], -1)
-    return TableValues(position, row, raw, raw_prev)
+    return TableValues(position, raw, raw_prev)
 
 
 def plan_entries(inp: Inputs, t: jax.Array, req: jax.Array, values: TableValues, active, st: Static) -> Entries:
