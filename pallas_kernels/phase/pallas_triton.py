@@ -522,6 +522,9 @@ def phase(
         log.slot_run_counters, *overflows,
     )  # fmt: skip
     first_ring = len(inputs) + len(checked) + len(issues)
+    ring_aliases = {first_ring + k: k for k in range(1 + len(context))}  # the ring (and its context): rows in place
+    if overflows:  # only program 0 reads the count, so it may be updated in place too (no copy into the donated one)
+        ring_aliases[len(ring_inputs) - 1] = 1 + len(context) + 4
     ring_out = call(
         functools.partial(_ring_kernel, st=st),
         out_shape=(
@@ -536,8 +539,7 @@ def phase(
         grid=(num_blocks + num_reqs,),
         name="kvcanary_phase_ring",
         interpret=interpret,
-        # the ring (and its context), rows written in place
-        input_output_aliases={first_ring + k: k for k in range(1 + len(context))},
+        input_output_aliases=ring_aliases,
     )(*ring_inputs)
     ring_rows, context, rest = ring_out[0], ring_out[1 : 1 + len(context)], ring_out[1 + len(context) :]
     write_index, kernel_counters, slot_counters, enable, *overflows = rest

@@ -6,6 +6,7 @@ lowering on CPU. It does not compile PTX; the GPU run (``benchmarks/gpu_validate
 """
 
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
@@ -229,6 +230,15 @@ def test_phase_lowers(tokens, swa):
     dedupe = "pairwise" if tokens <= write_triton.PAIRWISE_MAX_TOKENS else "sort"
     for name in ("kvcanary_phase_check_block=128", "kvcanary_phase_ring", f"kvcanary_phase_store_block=128_{dedupe}"):
         assert name in text
+    # The ring kernel updates in place the ring, its context and the overflow count (output 6, after the write
+    # index, the two counters and ``enable``): unaliased, XLA copies the new count into the donated one each step.
+    assert _aliased_outputs(text, "kvcanary_phase_ring") == [0, 1, 6]
+
+
+def _aliased_outputs(text: str, kernel_name: str) -> list[int]:
+    """The outputs that the named kernel's custom call writes into one of its operands."""
+    (call,) = [line for line in text.splitlines() if kernel_name in line and "output_operand_alias" in line]
+    return sorted(int(i) for i in re.findall(r"output_tuple_indices = \[(\d+)\]", call))
 
 
 def test_decode_step_has_six_kernels_and_no_while_loop():
