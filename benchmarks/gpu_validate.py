@@ -249,8 +249,8 @@ def x64_case():
     return run
 
 
-@functools.partial(jax.jit, static_argnames=("tags", "shape", "backend"))
-def _phase(buffers, log, batch, cpa, sources, *, tags, shape, backend):
+@functools.partial(jax.jit, static_argnames=("tags", "shape", "backend", "skip_bad_requests"))
+def _phase(buffers, log, batch, cpa, sources, *, tags, shape, backend, skip_bad_requests=False):
     return phase_api.phase(
         buffers,
         log,
@@ -263,6 +263,7 @@ def _phase(buffers, log, batch, cpa, sources, *, tags, shape, backend):
         window=shape.window,
         token_offset=shape.token_offset,
         check_table=shape.check_table,
+        skip_bad_requests=skip_bad_requests,
         backend=backend,
     )
 
@@ -271,14 +272,16 @@ def phase_case(shape, runs):
     """The fused phase (three kernels) against its jnp reference: buffers, ring, index, counters, enable.
 
     ``runs`` holds ``(seed, make_case keyword arguments)``; primed runs are mostly clean chains whose rows of all
-    four launches land in the ring, the others flood it from any starting index."""
+    four launches land in the ring, the others flood it from any starting index; the runner's form (explicit
+    roles, unmasked slots) runs with ``skip_bad_requests``."""
 
     def run():
         details = []
         for seed, kwargs in runs:
             *args, tags = phase_cases.make_case(seed, shape, **kwargs)
-            want = _phase(*args, tags=tags, shape=shape, backend="xla")
-            got = _phase(*args, tags=tags, shape=shape, backend=BACKEND)
+            skip = kwargs.get("masked") is False
+            want = _phase(*args, tags=tags, shape=shape, backend="xla", skip_bad_requests=skip)
+            got = _phase(*args, tags=tags, shape=shape, backend=BACKEND, skip_bad_requests=skip)
             chex.assert_trees_all_equal(got, want)
             index = int(want[1].write_index[0]) - int(args[1].write_index[0])
             landed = sorted(set(np.asarray(want[1].ring[:, 0, 0]).tolist()) & set(tags))
@@ -404,16 +407,19 @@ def main() -> None:
     floods = [(s, dict(ring_start=r)) for s, r in enumerate(phase_cases.RING_STARTS)]
     primed = [(10 + s, dict(ring_start="empty", primed=True, corrupt=c)) for s, c in enumerate((0.0005, 0.002))]
     overflow = [(20, dict(overflow=True))]
+    runner_form = [(30, dict(ring_start="mid", roles=True, masked=False))]
     kv = dict(mode=1, sources=(BF16_P16,), input_assert=True, token_check=True, ring_capacity=1024, check_table=True)
     if args.quick:
         decode = phase_cases.Shape(num_slots=3000, num_reqs=8, max_len=64, num_tokens=24, capacity=500, **kv)
-        case("phase decode (quick)", phase_case(decode, floods + primed + overflow))
+        case("phase decode (quick)", phase_case(decode, floods + primed + overflow + runner_form))
         case("runner fused vs per-launch (quick)", runner_paths(4, 64))
     else:
         decode = phase_cases.Shape(
             num_slots=300_000, num_reqs=256, max_len=1024, num_tokens=770, capacity=256_000, **kv
         )
-        case("phase decode 256x1K PARTIAL K+V, asserts", phase_case(decode, floods[:3] + primed + overflow))
+        case(
+            "phase decode 256x1K PARTIAL K+V, asserts", phase_case(decode, floods[:3] + primed + overflow + runner_form)
+        )
         long = phase_cases.Shape(
             num_slots=600_000,
             num_reqs=64,
@@ -443,7 +449,7 @@ def main() -> None:
             ring_capacity=1024,
             check_table=True,
         )
-        case("phase SWA K only ALL fp8, window 128", phase_case(swa, floods[:2] + primed[:1]))
+        case("phase SWA K only ALL fp8, window 128", phase_case(swa, floods[:2] + primed[:1] + runner_form))
         prefill = phase_cases.Shape(
             num_slots=100_000,
             num_reqs=8,
@@ -456,7 +462,7 @@ def main() -> None:
             input_assert=True,
             ring_capacity=1024,
         )
-        case("phase prefill 8x600 (sort winner rule)", phase_case(prefill, floods[:2] + primed[:1]))
+        case("phase prefill 8x600 (sort winner rule)", phase_case(prefill, floods[:2] + primed[:1] + runner_form))
         case("runner fused vs per-launch 64x1K, no copies", runner_paths(64, 1024))
     case("verify 1M ALL bf16/p16 token-check", verify_case(1, (BF16_P16,), 2, True, **big))
     case(

@@ -261,19 +261,22 @@ def fused_phase(
     token_offset: int,
     full_slots: int,
     check_table: bool,
+    skip_bad_requests: bool,
     input_issues: jax.Array | None,
+    verify_overflows: jax.Array | None,
     backend: str,
-) -> tuple[CanaryDeviceState, tuple[jax.Array, ...], jax.Array]:
+) -> tuple[CanaryDeviceState, tuple[jax.Array, ...], jax.Array | None]:
     """One HEAD/TAIL phase of a group through the lower layer's fused ``phase`` op. Its ``INVALID_INPUT`` rows come
     first: the caller's ``input_issues`` (i32[8, n]), then, with ``check_table``, the cached positions'
-    ``req_to_token`` values.
+    ``req_to_token`` values. With ``skip_bad_requests``, rows that are not requests and requests with a slot the
+    group cannot store write nothing.
 
     Same effects as the per-launch ops in SGLang's order (verify K, write K, verify V, write V): the ring, index,
-    counters and buffers are byte-identical. Returns ``(device, buffers, enable)``; ``enable`` is i32[1], 0 when the
-    verify plan overflowed its capacity.
+    counters and buffers are byte-identical. Returns ``(device, buffers, verify_overflows)``: the i32[1] count
+    given, +1 when the verify plan overflowed its capacity (saturating); None when none was given.
     """
     log = device.violation_log
-    new_buffers, out, enable = phase_api.phase(
+    new_buffers, out, _ = phase_api.phase(
         buffers,
         phase_api.Log(
             log.violation_ring,
@@ -281,6 +284,7 @@ def fused_phase(
             device.kernel_run_counters,
             device.slot_run_counters,
             log.violation_context,
+            verify_overflows,
         ),
         batch,
         device.enable_chain_position_assert,
@@ -292,6 +296,7 @@ def fused_phase(
         token_offset=token_offset,
         full_slots=full_slots,
         check_table=check_table,
+        skip_bad_requests=skip_bad_requests,
         input_issues=input_issues,
         backend=backend,
     )
@@ -303,7 +308,7 @@ def fused_phase(
         kernel_run_counters=out.kernel_run_counters,
         slot_run_counters=out.slot_run_counters,
     )
-    return device, new_buffers, enable
+    return device, new_buffers, out.verify_overflows
 
 
 def _check_common(state, tag, real_kv_sources, real_kv_hash_mode):

@@ -35,6 +35,7 @@ from kvcanary_jax.runtime import _inputs, _pool, _sweep
 from kvcanary_jax.runtime._batch import CanaryBatch, CanaryState
 from pallas_kernels import checks, mesh, realkv
 from pallas_kernels.phase import api as phase_api
+from pallas_kernels.phase import common as phase_common
 
 _REQUIRED_FIELDS = (
     "req_pool_indices", "prefix_lens", "extend_lens", "req_to_token", "input_ids", "positions", "out_cache_loc",
@@ -344,8 +345,9 @@ class KvCanary:
         return dataclasses.replace(state, device=dataclasses.replace(state.device, violation_log=log))
 
     def _fused_phase(self, state: CanaryState, *, batch, rows, g, phase, sources, issues) -> CanaryState:
-        """:meth:`_forward_phase` through the lower layer's fused ``phase`` op (which places ``issues``' rows and
-        the table's first, on the HEAD)."""
+        """:meth:`_forward_phase` through the lower layer's fused ``phase`` op: it places ``issues``' rows and the
+        table's first (on the HEAD), skips the requests the checks reject (``skip_bad_requests``, as
+        :func:`_inputs.request_slots` does for the per-launch path) and counts the HEAD's verify overflow."""
         check_token = self.config.enable_verify_token_assert
         expected = self._expected_inputs(batch) or (None, None)
         fused_batch = phase_api.Batch(
@@ -355,13 +357,7 @@ class KvCanary:
             req_to_token=batch.req_to_token,
             input_ids=batch.input_ids,
             positions=batch.positions,
-            out_cache_loc=_inputs.request_slots(
-                batch,
-                rows,
-                full_num_slots=self.pool.num_slots,
-                lut=batch.full_to_swa_index_mapping if g.window else None,
-                num_slots=g.num_slots,
-            ),
+            out_cache_loc=batch.out_cache_loc,
             full_to_swa_index_mapping=batch.full_to_swa_index_mapping if g.window else None,
             token_pool=state.device.req_to_verify_expected_tokens if check_token else None,
             token_pool_lens=(
@@ -373,7 +369,8 @@ class KvCanary:
             span_lens=rows.span_lens,
         )
         buffers = state.buffers(g)
-        device, new_buffers, enable = _ops.fused_phase(
+        head = phase is Phase.HEAD
+        device, new_buffers, overflows = _ops.fused_phase(
             state.device,
             tuple(buffers.buffer(phase, h) for h in self.halves),
             fused_batch,
@@ -384,14 +381,16 @@ class KvCanary:
             window=g.window,
             token_offset=self.pool.kv_token_id_vs_position_offset,
             full_slots=self.pool.num_slots,
-            check_table=phase is Phase.HEAD,
+            check_table=head,
+            skip_bad_requests=True,
             input_issues=None if issues is None else issues.stacked(),
+            # Only the HEAD phase counts overflows: the TAIL phase rebuilds the identical plan.
+            verify_overflows=state.verify_overflows if head else None,
             backend=self.config.backend,
         )
         for h, buf in zip(self.halves, new_buffers, strict=True):
             buffers = buffers.with_buffer(phase, h, buf)
-        # Only the HEAD phase counts overflows: the TAIL phase rebuilds the identical plan.
-        overflows = state.verify_overflows + (1 - enable if phase is Phase.HEAD else 0)
+        overflows = overflows if head else state.verify_overflows
         return dataclasses.replace(state, device=device, verify_overflows=overflows, **{g.name: buffers})
 
     def _per_launch_phase(self, state: CanaryState, *, batch, rows, g, phase, sources, issues) -> CanaryState:
@@ -402,8 +401,7 @@ class KvCanary:
         """
         checked = self._group(state, batch, rows, g)
         if issues is not None:  # the HEAD's INVALID_INPUT rows: the rows' and tokens', then the table's
-            state = self._append_issues(state, issues, g)
-            state = self._append_issues(state, checked.table_issues, g)
+            state = self._append_issues(state, _inputs.Issues.concat([issues, checked.table_issues]), g)
         buffers, capacity = state.buffers(g), state.device.violation_log.ring_capacity
         check_token = self.config.enable_verify_token_assert
         verifies = [
@@ -435,8 +433,9 @@ class KvCanary:
         in_launch_order = [p for pair in zip(verify_rows, write_rows, strict=True) for p in pair]
         launches = [x for pair in zip(verifies, writes, strict=True) for x in pair]
         device = _ops.apply(state.device, in_launch_order, launches)
-        # Only the HEAD phase counts overflows: the TAIL phase rebuilds the identical plan.
-        overflows = state.verify_overflows + (1 - checked.verify_plan.enable if phase is Phase.HEAD else 0)
+        overflows = state.verify_overflows
+        if phase is Phase.HEAD:  # only the HEAD phase counts overflows: the TAIL phase rebuilds the identical plan
+            overflows = phase_common.count_overflow(overflows, checked.verify_plan.enable == 0)
         return dataclasses.replace(state, device=device, verify_overflows=overflows, **{g.name: buffers})
 
     def _rows(self, state: CanaryState, batch: CanaryBatch) -> _inputs.Rows:

@@ -9,7 +9,8 @@ nothing (a partial write would trip the chain-position assert), one whose seed s
 rows after one whose token span cannot be located (a negative length, or past the token arrays) are skipped with
 it. Padding is never a violation. The cached positions' ``req_to_token`` values are checked by the phase that
 reads them (the fused phase op's ``check_table``, or :attr:`Group.table_issues` on the per-launch path): the plan's
-listed entries, i.e. the first ``verify_capacity`` cached positions, even when the verify overflows.
+listed entries, i.e. the first ``verify_capacity`` cached positions, even when the verify overflows. The fused phase
+also skips the requests itself (``skip_bad_requests``); the per-launch path gets :func:`request_slots`.
 
 An ``INVALID_INPUT`` row keeps SGLang's eight fields: ``launch_tag`` is the group's HEAD K tag, ``slot_idx`` the slot
 involved (-1 if none), ``position`` the request position (-1 if none), ``stored_token`` the value received,
@@ -51,10 +52,6 @@ class Issues:
         """Broadcasts every field to ``problem``'s shape."""
         full = lambda x: jnp.broadcast_to(jnp.asarray(x, jnp.int32), problem.shape)  # noqa: E731
         return cls(*(full(x) for x in (problem, field, value, limit, slot, position, entry, request)))
-
-    def flat(self) -> Issues:
-        """The same entries, flattened row-major (request-major, then position, for a ``[bs, context]`` check)."""
-        return Issues(*(getattr(self, f.name).reshape(-1) for f in dataclasses.fields(Issues)))
 
     @staticmethod
     def concat(parts: list[Issues]) -> Issues:
@@ -189,12 +186,12 @@ def request_slots(
     which the chain-position assert would report on the token after it (rows for a value already reported).
     """
     loc, live = batch.out_cache_loc, _live_tokens(rows)
-    bad = _token_problems(loc, rows, full_num_slots) != 0
-    if lut is not None:
-        translated = _plans.translate(jnp.where(bad, -1, loc), lut)
-        bad |= live & (loc >= 0) & ((translated < 0) | (translated >= num_slots))
+    group_slots = full_num_slots if lut is None else num_slots
+    rejected = phase_common.slot_rejected(
+        loc, *phase_common.lut_reader(lut), full_slots=full_num_slots, group_slots=group_slots
+    )
     row_of = jnp.maximum(rows.token_rows, 0)
-    unwritten = _segment_any(bad, rows.token_rows, rows.active.shape[0])
+    unwritten = _segment_any(live & rejected, rows.token_rows, rows.active.shape[0])
     return jnp.where(live & ~unwritten[row_of], loc, -1)
 
 
@@ -229,10 +226,13 @@ def group_issues(batch, rows: Rows, *, window: int, num_slots: int, full_num_slo
         return Issues.concat(
             [rows.issues, Issues.of(problem, InputField.OUT_CACHE_LOC, loc, limit=num_slots, slot=loc, **at)]
         )
-    full_loc = request_slots(batch, rows, full_num_slots=full_num_slots)
-    swa_loc = _plans.translate(full_loc, batch.full_to_swa_index_mapping)
-    bad = (full_loc >= 0) & ((swa_loc < 0) | (swa_loc >= num_slots))
-    problem = jnp.where(bad, int(InputProblem.OUT_OF_RANGE), 0)
+    full_loc = request_slots(batch, rows, full_num_slots=full_num_slots)  # the FULL group reports the others
+    problem, swa_loc = phase_common.slot_issue(
+        full_loc,
+        *phase_common.lut_reader(batch.full_to_swa_index_mapping),
+        full_slots=full_num_slots,
+        group_slots=num_slots,
+    )
     field = InputField.FULL_TO_SWA_INDEX_MAPPING
     return Issues.of(problem, field, swa_loc, limit=num_slots, slot=full_loc, **at)
 
@@ -289,7 +289,7 @@ def check_group(
     )
     entries = jnp.arange(verify_capacity, dtype=jnp.int32)
     used = (entries < verify_plan.num_valid[0]) & (verify_plan.enable[0] != 0)
-    gather_lut, lut_size = (None, None) if lut is None else ((lambda i: lut[i]), lut.shape[0])
+    gather_lut, lut_size = phase_common.lut_reader(lut)
     slot, prev = phase_common.plan_slots(
         plan_rows.raw_slots,
         plan_rows.raw_prev,
@@ -308,14 +308,16 @@ def check_group(
         plan_rows.raw_slots, gather_lut, lut_size, full_slots=full_num_slots, group_slots=num_slots
     )
     table_issues = Issues.of(
-        jnp.where(entries < verify_plan.num_valid[0], problem, 0),
-        phase_common.table_field(lut is not None),
-        value,
-        limit=num_slots,
-        slot=plan_rows.raw_slots,
-        position=plan_rows.positions,
-        entry=plan_rows.verify_rows,
-        request=rpi[jnp.maximum(plan_rows.verify_rows, 0)],
+        **phase_common.table_issue(
+            jnp.where(entries < verify_plan.num_valid[0], problem, 0),
+            value,
+            plan_rows.raw_slots,
+            plan_rows.positions,
+            plan_rows.verify_rows,
+            rpi[jnp.maximum(plan_rows.verify_rows, 0)],
+            has_lut=lut is not None,
+            group_slots=num_slots,
+        )
     )
     full_loc = request_slots(batch, rows, full_num_slots=full_num_slots, lut=lut, num_slots=num_slots)
     # A request whose seed (its last cached slot) is bad starts a new chain: there is no record to continue from

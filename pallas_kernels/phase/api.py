@@ -72,6 +72,8 @@ def _check_log(log: Log) -> None:
     checks.array("log.slot_run_counters", log.slot_run_counters, dtype=jnp.uint32, shape=shape)
     if log.context is not None:
         checks.array("log.context", log.context, dtype=jnp.int32, shape=(log.ring.shape[0], 3))
+    if log.verify_overflows is not None:
+        checks.array("log.verify_overflows", log.verify_overflows, dtype=jnp.int32, shape=(1,))
 
 
 def phase(
@@ -88,6 +90,7 @@ def phase(
     token_offset: int = 0,
     full_slots: int | None = None,
     check_table: bool = False,
+    skip_bad_requests: bool = False,
     input_issues: jax.Array | None = None,
     backend: str = "auto",
 ) -> tuple[tuple[jax.Array, ...], Log, jax.Array]:
@@ -98,7 +101,8 @@ def phase(
 
     Args:
       buffers: one or two (K, then V) u32[num_slots, 4, 2] canary buffers of one group; donate them under jit.
-      log: :class:`Log` (ring u32[capacity, 8, 2], write index i32[1], counters u32[num_tags, 2]).
+      log: :class:`Log` (ring u32[capacity, 8, 2], write index i32[1], counters u32[num_tags, 2], optionally the
+        rows' context i32[capacity, 3] and the verify-overflow count i32[1]).
       batch: :class:`Batch`, the step's i32 arrays (R requests, T tokens).
       enable_chain_position_assert: i32[1].
       tags: static launch tag per half.
@@ -114,6 +118,10 @@ def phase(
         ``verify_capacity`` cached positions, overflow or not) as ``INVALID_INPUT`` rows, tagged ``tags[0]``, ahead
         of the launches' rows (``common.slot_issue``, ``common.input_row``); for the phase that checks the
         batch (the HEAD's).
+      skip_bad_requests: static; write nothing for the tokens of a row that is not a request (``batch.active``),
+        nor for any token of a request with a new slot the group cannot store (``common.slot_rejected``): a
+        partial write would trip the chain-position assert. Off, each token's slot alone decides. (The caller
+        reports the rejected slots: ``input_issues``.)
       input_issues: i32[8, n] ``INVALID_INPUT`` candidates the caller checked itself, one per column (rows
         ``common.INPUT_ISSUE_FIELDS``: problem, 0 for none; field; value; limit; slot; position; batch entry;
         request row), placed first, in column order, tagged ``tags[0]``; None: none.
@@ -161,8 +169,9 @@ def phase(
     checks.static_int("token_offset", token_offset, minimum=-(2**31))
     if full_slots is not None:
         full_slots = checks.positive_int("full_slots", full_slots)
-    if not isinstance(check_table, bool):
-        raise TypeError(f"check_table must be a bool; got {check_table!r}")
+    for name, flag in (("check_table", check_table), ("skip_bad_requests", skip_bad_requests)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name} must be a bool; got {flag!r}")
     if input_issues is not None:
         fields = len(common.INPUT_ISSUE_FIELDS)
         checks.array("input_issues", input_issues, dtype=jnp.int32, shape=(fields, None))
@@ -178,6 +187,7 @@ def phase(
         token_offset=token_offset,
         full_slots=full_slots,
         check_table=check_table,
+        skip_bad_requests=skip_bad_requests,
     )
 
     def xla(buffers, log, batch, cpa, sources, issues):

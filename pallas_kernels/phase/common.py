@@ -18,6 +18,7 @@ from pallas_kernels import hash64, layout, records
 FLAG_WRITTEN = 1
 FLAG_CHAIN_POSITION = 2  # the chain-position assert failed: one WRITE_POSITION row
 INPUT_BITS = layout.FAIL_WRITE_TOKEN | layout.FAIL_WRITE_POSITION  # the input assert's row bits, kept as they are
+_INT32_MAX = 2**31 - 1
 
 
 class Batch(NamedTuple):
@@ -72,6 +73,8 @@ class Log(NamedTuple):
       kernel_run_counters, slot_run_counters: u32[num_tags, 2] u64 counters per launch tag.
       context: i32[capacity, 3] beside each row: its request row (``req_pool_indices`` of its batch row), expected
         position, and batch entry (batch row of a verify row, token entry of a write row); None keeps none.
+      verify_overflows: i32[1] phases whose verify plan overflowed its capacity (and was skipped): +1 when this
+        one's does, saturating at 2^31 - 1; None counts none (a TAIL phase rebuilds the HEAD's plan).
     """
 
     ring: jax.Array
@@ -79,6 +82,12 @@ class Log(NamedTuple):
     kernel_run_counters: jax.Array
     slot_run_counters: jax.Array
     context: jax.Array | None = None
+    verify_overflows: jax.Array | None = None
+
+
+def count_overflow(verify_overflows: jax.Array, overflowed: jax.Array) -> jax.Array:
+    """``verify_overflows`` (i32) + 1 where ``overflowed``, saturating at 2^31 - 1 (a counter never wraps)."""
+    return verify_overflows + (overflowed & (verify_overflows < _INT32_MAX)).astype(jnp.int32)
 
 
 def pad_tokens(batch: Batch) -> Batch:
@@ -163,14 +172,38 @@ def slot_issue(raw: jax.Array, gather_lut, lut_size: int | None, *, full_slots: 
     return jnp.where(bad, layout.INPUT_PROBLEM_OUT_OF_RANGE, 0).astype(jnp.int32), slot
 
 
-def table_field(has_lut: bool) -> int:
-    """The batch field a group's :func:`slot_issue` rows name."""
-    return layout.INPUT_FIELD_FULL_TO_SWA_INDEX_MAPPING if has_lut else layout.INPUT_FIELD_REQ_TO_TOKEN
+def slot_rejected(loc: jax.Array, gather_lut, lut_size: int | None, *, full_slots: int, group_slots: int):
+    """bool: new full-pool slots (``out_cache_loc``) a group cannot store: outside ``[1, full_slots)``, or
+    translated outside ``[0, group_slots)`` (what :func:`slot_issue` reports, in this group or the FULL one); a
+    skipped token (< 0) is not."""
+    return (loc >= 0) & _outside(loc, translate(loc, gather_lut, lut_size), full_slots, group_slots)
+
+
+def table_issue(problem, value, raw, position, batch_row, request, *, has_lut: bool, group_slots: int) -> dict:
+    """The ``INVALID_INPUT`` fields (names ``INPUT_ISSUE_FIELDS``, for :func:`input_row`) of ``req_to_token``
+    values :func:`slot_issue` judged: the value as it names it and the group's slot count as the limit, the raw
+    value as the slot, the request position, the batch row as the entry, and the request row."""
+    field = layout.INPUT_FIELD_FULL_TO_SWA_INDEX_MAPPING if has_lut else layout.INPUT_FIELD_REQ_TO_TOKEN
+    return dict(
+        problem=problem,
+        field=field,
+        value=value,
+        limit=group_slots,
+        slot=raw,
+        position=position,
+        entry=batch_row,
+        request=request,
+    )
 
 
 def _outside(raw: jax.Array, slot: jax.Array, full_slots: int, group_slots: int) -> jax.Array:
     """A full-pool value outside ``[1, full_slots)`` or its group slot outside ``[0, group_slots)``."""
     return (raw < 1) | (raw >= full_slots) | (slot < 0) | (slot >= group_slots)
+
+
+def lut_reader(lut: jax.Array | None):
+    """``(gather_lut, lut_size)`` of the slot formulas here for a LUT array; ``(None, None)`` without one."""
+    return (None, None) if lut is None else ((lambda i: lut[i]), lut.shape[0])
 
 
 def translate(slots: jax.Array, gather_lut, lut_size: int | None) -> jax.Array:

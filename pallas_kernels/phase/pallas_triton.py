@@ -4,7 +4,8 @@ The per-launch path pays ~50 small kernels per decode step (plan build, prefix s
 bumps; ``benchmarks/RESULTS.md``). Here a phase is:
 
   * ``kvcanary_phase_check``: programs ``[0, R)`` walk one request's write chain each (K and V side by side; the
-    seed records are read before any store, as the write op reads the pre-launch buffer), programs ``[R, R + B)``
+    seed records are read before any store, as the write op reads the pre-launch buffer; with
+    ``skip_bad_requests`` a first pass over its slots decides whether it writes at all), programs ``[R, R + B)``
     verify one block of plan entries each, for every half. The plan is built in-kernel from the batch (request
     lookup, ``req_to_token`` gathers, window), so it is never materialised. Outputs are small: each verify block's
     flag count per half (and, with ``check_table``, its count of table values the pools cannot hold), each
@@ -14,7 +15,8 @@ bumps; ``benchmarks/RESULTS.md``). Here a phase is:
     launches and programs before it (SGLang's order: verify K, write K, verify V, write V; plan-entry order within
     a launch), so the ring is byte-identical to the per-launch path. The ``INVALID_INPUT`` rows come first: program
     0 places the caller's ``input_issues``, then every block with table issues places theirs. Clean programs only
-    read their counts and exit. Program 0 also advances the write index and bumps the counters.
+    read their counts and exit. Program 0 also advances the write index and bumps the counters (and the
+    verify-overflow count).
   * ``kvcanary_phase_store``: per block of tokens, folds the real KV and stores the records of both halves in
     place, with the write op's deterministic last-writer rule. It takes the ring kernel's index as an input, so it
     runs after every verify row was read from the buffers it overwrites.
@@ -73,6 +75,9 @@ def _walk(inp: tc.Inputs, r, outs, st: tc.Static) -> None:
         group_slots=st.group_slots,
     )
     check = (seed >= 0) & (inp.cpa[0] != 0) & (count > 0)
+    writes = jnp.bool_(True)
+    if st.skip_bad_requests:  # a partial write would trip the chain-position assert on the token after a gap
+        writes = (inp.active[r] != 0) & ~tc.rejects_a_slot(inp, start, count, st)
     carry = []
     for buf in inp.bufs:
         record = kernel_io.load_record(buf, records.clamp_slots(seed, buf.shape[0]))
@@ -83,7 +88,7 @@ def _walk(inp: tc.Inputs, r, outs, st: tc.Static) -> None:
     def step(j, carry):
         i = start + j
         slot, token, position = tc.translate(inp, inp.loc[i]), inp.ids[i], inp.positions[i]
-        live = (slot >= 0) & (slot < st.group_slots)  # common.write_slots: skipped, or outside the pool
+        live = writes & (slot >= 0) & (slot < st.group_slots)  # common.write_slots: skipped, or outside the pool
         input_bits = jnp.int32(0)
         if st.has_inputs:
             input_bits = jnp.where(live & (token != inp.exp_ids[i]), jnp.int32(layout.FAIL_WRITE_TOKEN), 0)
@@ -145,13 +150,14 @@ def _check_kernel(*refs, st: tc.Static):
 
         @pl.when(busy)
         def _check():
-            entries = tc.plan_entries(inp, t, req, start, active, st)
+            values = tc.table_values(inp, t, req, start, st)
+            entries = tc.plan_entries(inp, t, req, values, active, st)
             for h in range(st.halves):
                 bits, _, _ = tc.check_half(inp, h, entries, st)
                 vcount_ref[h, b] = jnp.sum((bits != 0).astype(jnp.int32), dtype=jnp.int32)
             if st.check_table:
-                issues = tc.table_issues(inp, t, req, start, listed, st)
-                vcount_ref[st.halves, b] = jnp.sum((issues.problem != 0).astype(jnp.int32), dtype=jnp.int32)
+                problem, _ = tc.table_problems(inp, t, values, listed, st)
+                vcount_ref[st.halves, b] = jnp.sum((problem != 0).astype(jnp.int32), dtype=jnp.int32)
 
         @pl.when(jnp.logical_not(busy))
         def _idle():
@@ -165,13 +171,17 @@ def _check_kernel(*refs, st: tc.Static):
 def _ring_kernel(*refs, st: tc.Static):
     """Places the rows of every flagged verify block and request in the ring; program 0 also does the counts."""
     inp, rest = tc.take(refs, st)
-    vcount_ref, req_count_ref, prev_hash_ref, expected_ref, flags_ref = rest[:5]
-    issues_ref = rest[5] if st.num_issues else None
-    # Then the ring (and its context) inputs, aliased to their outputs.
-    first = 5 + bool(st.num_issues) + 1 + st.has_context
-    index_ref, kernel_ref, slot_ref = rest[first : first + 3]
-    ring_ref, *context_out, index_out, kernel_out, slot_out, enable_out = rest[first + 3 :]
-    context_ref = context_out[0] if context_out else None
+    it = iter(rest)
+    vcount_ref, req_count_ref, prev_hash_ref, expected_ref, flags_ref = [next(it) for _ in range(5)]
+    issues_ref = next(it) if st.num_issues else None
+    for _ in range(1 + st.has_context):  # the ring (and its context) inputs, aliased to their outputs
+        next(it)
+    index_ref, kernel_ref, slot_ref = [next(it) for _ in range(3)]
+    overflows_ref = next(it) if st.count_overflows else None
+    ring_ref = next(it)
+    context_ref = next(it) if st.has_context else None
+    index_out, kernel_out, slot_out, enable_out = [next(it) for _ in range(4)]
+    overflows_out = next(it) if st.count_overflows else None
     num_blocks, num_reqs, capacity = vcount_ref.shape[1], st.num_reqs, ring_ref.shape[0]
     pid = pl.program_id(0)
     index = index_ref[0]
@@ -238,7 +248,10 @@ def _ring_kernel(*refs, st: tc.Static):
             flagged = flagged + verify_total(h) + write_total(h)
         index_out[0] = index + jnp.minimum(flagged, _INT32_MAX - index)  # saturates instead of wrapping
         total, active = tc.verify_total(inp, st)
-        enable_out[0] = jnp.where(total > st.capacity, 0, 1).astype(jnp.int32)
+        overflow = total > st.capacity
+        enable_out[0] = jnp.where(overflow, 0, 1).astype(jnp.int32)
+        if st.count_overflows:
+            overflows_out[0] = common.count_overflow(overflows_ref[0], overflow)
         written = tc.row_sum(req_count_ref, st.halves, num_reqs, st)
         _bump(kernel_ref, kernel_out, {tag: jnp.int32(2) for tag in st.tags})  # a verify and a write per tag
         _bump(slot_ref, slot_out, {tag: active + written for tag in st.tags})
@@ -282,23 +295,17 @@ def _place_table_rows(inp, b, rel, index, room, ring_ref, context_ref, st: tc.St
     """Recomputes block ``b``'s table issues and writes their ``INVALID_INPUT`` rows at ``index + rel + rank``."""
     t = b * st.config.verify_block + tc.arange(st.config.verify_block)
     req, start, total = tc.locate(inp, t, st)
-    issues = tc.table_issues(inp, t, req, start, jnp.minimum(total, st.capacity), st)
-    flagged = (issues.problem != 0).astype(jnp.int32)
+    values = tc.table_values(inp, t, req, start, st)
+    problem, value = tc.table_problems(inp, t, values, jnp.minimum(total, st.capacity), st)
+    flagged = (problem != 0).astype(jnp.int32)
     k = rel + jnp.cumsum(flagged, dtype=jnp.int32) - flagged
     ok = (flagged != 0) & (k < room)
     request = inp.rpi[req]
-    fields = common.input_row(
-        st.tags[0],
-        issues.problem,
-        common.table_field(st.has_lut),
-        issues.value,
-        st.group_slots,
-        issues.raw,
-        issues.position,
-        req,
-        request,
+    issue = common.table_issue(
+        problem, value, values.raw, values.position, req, request, has_lut=st.has_lut, group_slots=st.group_slots
     )
-    context = (request, issues.position, req)
+    context = (request, values.position, req)
+    fields = common.input_row(st.tags[0], **issue)
     tc.store_row(ring_ref, jnp.where(ok, index + k, ring_ref.shape[0]), ok, fields, context_ref, context)
 
 
@@ -307,7 +314,8 @@ def _place_verify_rows(inp, h: int, b, rel, index, room, ring_ref, context_ref, 
     block = st.config.verify_block
     t = b * block + tc.arange(block)
     req, start, total = tc.locate(inp, t, st)
-    entries = tc.plan_entries(inp, t, req, start, jnp.where(total > st.capacity, 0, total), st)
+    values = tc.table_values(inp, t, req, start, st)
+    entries = tc.plan_entries(inp, t, req, values, jnp.where(total > st.capacity, 0, total), st)
     bits, stored, chain = tc.check_half(inp, h, entries, st)
     flagged = (bits != 0).astype(jnp.int32)
     k = rel + jnp.cumsum(flagged, dtype=jnp.int32) - flagged
@@ -423,6 +431,7 @@ def _store_kernel(*refs, st: tc.Static):
         "token_offset",
         "full_slots",
         "check_table",
+        "skip_bad_requests",
         "interpret",
         "config",
     ),
@@ -441,6 +450,7 @@ def phase(
     token_offset: int = 0,
     full_slots: int | None = None,
     check_table: bool = False,
+    skip_bad_requests: bool = False,
     input_issues: jax.Array | None = None,
     interpret: bool = False,
     config: Config | None = None,
@@ -449,7 +459,8 @@ def phase(
 
     Args:
       buffers, log, batch, enable_chain_position_assert, real_kv_sources, tags, real_kv_hash_mode,
-      verify_capacity, window, token_offset, full_slots, check_table, input_issues: as in ``reference.phase``.
+      verify_capacity, window, token_offset, full_slots, check_table, skip_bad_requests, input_issues: as in
+      ``reference.phase``.
       interpret: run the kernels in Pallas interpret mode (any platform).
       config: launch shapes; ``heuristic(verify_capacity, T)`` when None.
 
@@ -479,7 +490,9 @@ def phase(
         group_slots=group_slots,
         has_context=log.context is not None,
         check_table=check_table,
+        skip_bad_requests=skip_bad_requests,
         num_issues=0 if input_issues is None else input_issues.shape[1],
+        count_overflows=log.verify_overflows is not None,
     )
     inputs = tc.input_arrays(batch, enable_chain_position_assert, buffers, sources, interpret=interpret)
     num_blocks = pl.cdiv(verify_capacity, config.verify_block)
@@ -503,12 +516,16 @@ def phase(
     ring_rows = log.ring.reshape(log.ring.shape[0], -1)  # u32[capacity, 16]
     context = () if log.context is None else (log.context,)
     issues = () if input_issues is None else (input_issues,)
+    overflows = () if log.verify_overflows is None else (log.verify_overflows,)
     ring_inputs = (
         *inputs, *checked, *issues, ring_rows, *context, log.write_index, log.kernel_run_counters,
-        log.slot_run_counters,
+        log.slot_run_counters, *overflows,
     )  # fmt: skip
     first_ring = len(inputs) + len(checked) + len(issues)
-    ring_rows, *context, write_index, kernel_counters, slot_counters, enable = call(
+    ring_aliases = {first_ring + k: k for k in range(1 + len(context))}  # the ring (and its context): rows in place
+    if overflows:  # only program 0 reads the count, so it may be updated in place too (no copy into the donated one)
+        ring_aliases[len(ring_inputs) - 1] = 1 + len(context) + 4
+    ring_out = call(
         functools.partial(_ring_kernel, st=st),
         out_shape=(
             jax.ShapeDtypeStruct(ring_rows.shape, u32),
@@ -517,20 +534,20 @@ def phase(
             jax.ShapeDtypeStruct(log.kernel_run_counters.shape, u32),
             jax.ShapeDtypeStruct(log.slot_run_counters.shape, u32),
             jax.ShapeDtypeStruct((1,), i32),
+            *(jax.ShapeDtypeStruct((1,), i32) for _ in overflows),
         ),
         grid=(num_blocks + num_reqs,),
         name="kvcanary_phase_ring",
         interpret=interpret,
-        # the ring (and its context), rows written in place
-        input_output_aliases={first_ring + k: k for k in range(1 + len(context))},
+        input_output_aliases=ring_aliases,
     )(*ring_inputs)
+    ring_rows, context, rest = ring_out[0], ring_out[1 : 1 + len(context)], ring_out[1 + len(context) :]
+    write_index, kernel_counters, slot_counters, enable, *overflows = rest
 
     _, _, prev_hash, _, flags = checked
     winner = ()
     if config.dedupe == "sort":
-        lut = batch.full_to_swa_index_mapping
-        gather_lut, lut_size = (None, None) if lut is None else ((lambda i: lut[i]), lut.shape[0])
-        loc = common.translate(batch.out_cache_loc, gather_lut, lut_size)
+        loc = common.translate(batch.out_cache_loc, *common.lut_reader(batch.full_to_swa_index_mapping))
         written = (flags[0] & common.FLAG_WRITTEN) != 0
         winner = (store.last_writer(loc, written, buffers[0].shape[0]).astype(i32),)
     store_inputs = (
@@ -556,5 +573,6 @@ def phase(
         kernel_run_counters=kernel_counters,
         slot_run_counters=slot_counters,
         context=context[0] if context else None,
+        verify_overflows=overflows[0] if overflows else None,
     )
     return tuple(r.reshape(b.shape) for r, b in zip(new_rows, buffers, strict=True)), new_log, enable

@@ -4,10 +4,10 @@ A phase is SGLang's launch sequence for one group: build the verify and write pl
 (K, then V) verify the cached slots and write this step's records. Its effects on the shared state are those of
 the launches run one at a time in the order verify K, write K, verify V, write V: each launch's rows land in the
 fill-once ring in plan-entry order, a verify's rows are read from the buffer as it stood before the phase's writes,
-and every launch bumps its tag's counters. ``INVALID_INPUT`` rows, when asked for, come before them all: the
-caller's ``input_issues``, then the plan's table values the pools cannot hold (``check_table``). This file states
-that directly, from the verify, write and store references; the Triton kernels of ``pallas_triton`` must give the
-same bytes.
+and every launch bumps its tag's counters (the phase also counts a verify overflow, when given a count).
+``INVALID_INPUT`` rows, when asked for, come before them all: the caller's ``input_issues``, then the plan's table
+values the pools cannot hold (``check_table``). This file states that directly, from the verify, write and store
+references; the Triton kernels of ``pallas_triton`` must give the same bytes.
 """
 
 from __future__ import annotations
@@ -47,11 +47,6 @@ class Plan(NamedTuple):
     table_values: jax.Array  # i32[capacity] the value each table row names
 
 
-def _lut(batch: common.Batch):
-    lut = batch.full_to_swa_index_mapping
-    return (None, None) if lut is None else ((lambda i: lut[i]), lut.shape[0])
-
-
 def build_plan(
     batch: common.Batch, *, capacity: int, window: int, token_offset: int, full_slots: int, group_slots: int
 ) -> Plan:
@@ -60,7 +55,7 @@ def build_plan(
     (:func:`common.plan_slots`)."""
     rpi, prefix, rtt = batch.req_pool_indices, batch.prefix_lens, batch.req_to_token
     num_reqs, max_context = rpi.shape[0], rtt.shape[1]
-    gather_lut, lut_size = _lut(batch)
+    gather_lut, lut_size = common.lut_reader(batch.full_to_swa_index_mapping)
     verify_lens = common.verify_len(batch.active, prefix, window)
     ends = prefix_sums.inclusive_sum(verify_lens)
     starts, total = ends - verify_lens, ends[-1]
@@ -160,18 +155,38 @@ def _table_rows(batch: common.Batch, plan: Plan, entries, tag: int, group_slots:
     """(rows, context) of the ``INVALID_INPUT`` rows of table-issue ``entries``."""
     batch_row, position = plan.entry_rows[entries], plan.positions[entries]
     request = batch.req_pool_indices[batch_row]
-    fields = common.input_row(
-        tag,
+    issue = common.table_issue(
         plan.table_problems[entries],
-        common.table_field(batch.full_to_swa_index_mapping is not None),
         plan.table_values[entries],
-        group_slots,
         plan.raw_slots[entries],
         position,
         batch_row,
         request,
+        has_lut=batch.full_to_swa_index_mapping is not None,
+        group_slots=group_slots,
     )
-    return common.pack_row(fields), common.row_context(request, position, batch_row)
+    return common.pack_row(common.input_row(tag, **issue)), common.row_context(request, position, batch_row)
+
+
+def _input_issue_rows(input_issues: jax.Array, entries, tag: int):
+    """(rows, context) of the caller's ``input_issues`` columns ``entries``."""
+    at = dict(zip(common.INPUT_ISSUE_FIELDS, input_issues[:, entries], strict=True))
+    return common.pack_row(common.input_row(tag, **at)), common.row_context(at["request"], at["position"], at["entry"])
+
+
+def skip_rejected_requests(
+    batch: common.Batch, write_offsets: jax.Array, gather_lut, lut_size, *, full_slots: int, group_slots: int
+):
+    """``batch.out_cache_loc`` with every token of a row that is not a request, and of a request with a new slot
+    the group cannot store (:func:`common.slot_rejected`), skipped (-1): such a request writes nothing.
+    ``write_offsets`` (i32[R + 1]) bound the rows' token spans."""
+    loc = batch.out_cache_loc
+    t = jnp.arange(loc.shape[0], dtype=jnp.int32)
+    covered = t < write_offsets[-1]
+    row = common.token_row(write_offsets, t)
+    rejected = covered & common.slot_rejected(loc, gather_lut, lut_size, full_slots=full_slots, group_slots=group_slots)
+    rejects = jnp.zeros(batch.span_lens.shape, jnp.int32).at[row].max(rejected.astype(jnp.int32))
+    return jnp.where(covered & (batch.active[row] != 0) & (rejects[row] == 0), loc, -1)
 
 
 def _verify_rows(buf, batch: common.Batch, plan: Plan, bits, entries, tag: int, check: bool):
@@ -217,6 +232,7 @@ def phase(
     token_offset: int = 0,
     full_slots: int | None = None,
     check_table: bool = False,
+    skip_bad_requests: bool = False,
     input_issues: jax.Array | None = None,
 ) -> tuple[tuple[jax.Array, ...], common.Log, jax.Array]:
     """One phase of one group: per half, verify the plan's cached slots, then write this step's records.
@@ -236,6 +252,9 @@ def phase(
       full_slots: the FULL pool's slot count (``req_to_token``'s values); None: the buffers' (a FULL group).
       check_table: report the listed plan entries' ``req_to_token`` values the pools cannot hold
         (:func:`common.slot_issue`) as ``INVALID_INPUT`` rows tagged ``tags[0]``, ahead of the launches' rows.
+      skip_bad_requests: write nothing for the tokens of a row that is not a request, nor for any token of a
+        request with a new slot the group cannot store (:func:`skip_rejected_requests`); off, each token's slot
+        alone decides (skipped when < 0 or outside the group's pool).
       input_issues: i32[8, n] ``INVALID_INPUT`` candidates the caller checked (rows ``common.INPUT_ISSUE_FIELDS``;
         problem 0: none), placed first, in order, tagged ``tags[0]``; or None.
 
@@ -253,15 +272,23 @@ def phase(
         group_slots=group_slots,
     )
     check = batch.token_pool is not None
-    gather_lut, lut_size = _lut(batch)
-    loc = common.write_slots(batch.out_cache_loc, gather_lut, lut_size, group_slots)
+    gather_lut, lut_size = common.lut_reader(batch.full_to_swa_index_mapping)
+    loc = batch.out_cache_loc
+    if skip_bad_requests:
+        loc = skip_rejected_requests(
+            batch,
+            plan.write_offsets,
+            gather_lut,
+            lut_size,
+            full_slots=full_slots or group_slots,
+            group_slots=group_slots,
+        )
+    loc = common.write_slots(loc, gather_lut, lut_size, group_slots)
     num_reqs, capacity = batch.req_pool_indices.shape[0], log.ring.shape[0]
     pending, new_buffers, written = [], [], None
     if input_issues is not None:
         count, entries = first_flagged(input_issues[0] != 0, capacity)
-        at = input_issues[:, entries]
-        fields = common.input_row(tags[0], *at)
-        pending.append((count, common.pack_row(fields), common.row_context(at[7], at[5], at[6])))
+        pending.append((count, *_input_issue_rows(input_issues, entries, tags[0])))
     if check_table:
         count, entries = first_flagged(plan.table_problems != 0, capacity)
         pending.append((count, *_table_rows(batch, plan, entries, tags[0], group_slots)))
@@ -311,11 +338,15 @@ def phase(
         )
     ring, context, write_index = place(log.ring, log.context, log.write_index, pending)
     entries = plan.active + jnp.sum(written, dtype=jnp.int32)
+    overflows = log.verify_overflows
+    if overflows is not None:
+        overflows = common.count_overflow(overflows, plan.enable == 0)
     new_log = common.Log(
         ring=ring,
         write_index=write_index,
         kernel_run_counters=bump(log.kernel_run_counters, {tag: jnp.int32(2) for tag in tags}),
         slot_run_counters=bump(log.slot_run_counters, {tag: entries for tag in tags}),
         context=context,
+        verify_overflows=overflows,
     )
     return tuple(new_buffers), new_log, plan.enable

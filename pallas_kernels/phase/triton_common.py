@@ -67,7 +67,9 @@ class Static:
     group_slots: int  # this group's slots (its canary buffers')
     has_context: bool = False  # the ring carries a context array
     check_table: bool = False  # report the listed entries' table issues (common.slot_issue) first
+    skip_bad_requests: bool = False  # write nothing for a non-request row, or a request with a rejected slot
     num_issues: int = 0  # columns of the caller's input_issues (placed before everything)
+    count_overflows: bool = False  # the log has a verify_overflows counter to bump
 
     @property
     def halves(self) -> int:
@@ -247,22 +249,35 @@ def locate(inp: Inputs, t: jax.Array, st: Static):
     return jnp.minimum(count, n - 1), start, total
 
 
-def _table_values(inp: Inputs, t: jax.Array, req: jax.Array, start: jax.Array, st: Static):
-    """(position, table row, raw value, raw predecessor) of plan entries ``t`` of requests ``req``."""
+class TableValues(NamedTuple):
+    """What plan entries read from ``req_to_token`` (i32[block] each)."""
+
+    position: jax.Array
+    raw: jax.Array  # the value at the position
+    raw_prev: jax.Array  # the value at the position before (-1 for a chain head)
+
+
+def table_values(inp: Inputs, t: jax.Array, req: jax.Array, start: jax.Array, st: Static) -> TableValues:
+    """The table values of plan entries ``t`` of requests ``req`` (from :func:`locate`)."""
     position = common.window_start(inp.prefix[req], st.window) + t - start
     num_rows, max_context = inp.rtt.shape
     row = common.jnp_index(inp.rpi[req], num_rows)
     raw = inp.rtt[row, jnp.clip(position, 0, max_context - 1)]
     raw_prev = jnp.where(position > 0, inp.rtt[row, jnp.clip(position - 1, 0, max_context - 1)], -1)
-    return position, row, raw, raw_prev
+    return TableValues(position, raw, raw_prev)
 
 
-def plan_entries(inp: Inputs, t: jax.Array, req: jax.Array, start: jax.Array, active, st: Static) -> Entries:
-    """The plan entries ``t`` of requests ``req`` (from :func:`locate`); entries past ``active`` are zeroed."""
-    position, row, raw, raw_prev = _table_values(inp, t, req, start, st)
-    gather_lut, lut_size = lut_reader(inp)
+def plan_entries(inp: Inputs, t: jax.Array, req: jax.Array, values: TableValues, active, st: Static) -> Entries:
+    """The plan entries ``t`` of requests ``req`` from their :func:`table_values`; entries past ``active`` are
+    zeroed."""
+    position = values.position
     slot, prev = common.plan_slots(
-        raw, raw_prev, position, gather_lut, lut_size, full_slots=st.full_slots, group_slots=st.group_slots
+        values.raw,
+        values.raw_prev,
+        position,
+        *lut_reader(inp),
+        full_slots=st.full_slots,
+        group_slots=st.group_slots,
     )
     token = jnp.full(t.shape, -1, jnp.int32)
     if st.has_pool:
@@ -282,20 +297,27 @@ def plan_entries(inp: Inputs, t: jax.Array, req: jax.Array, start: jax.Array, ac
     )
 
 
-class TableIssues(NamedTuple):
-    """A block's ``common.slot_issue`` results (i32[block] each); ``problem`` is 0 past the listed entries."""
+def table_problems(inp: Inputs, t: jax.Array, values: TableValues, listed, st: Static) -> tuple[jax.Array, jax.Array]:
+    """(problem, value) of ``common.slot_issue`` for plan entries ``t``; problem 0 past the first ``listed``
+    entries (checked whether or not the verify overflows)."""
+    problem, value = common.slot_issue(
+        values.raw, *lut_reader(inp), full_slots=st.full_slots, group_slots=st.group_slots
+    )
+    return jnp.where(t < listed, problem, 0), value
 
-    problem: jax.Array
-    value: jax.Array
-    raw: jax.Array
-    position: jax.Array
 
+def rejects_a_slot(inp: Inputs, start, count, st: Static) -> jax.Array:
+    """bool[]: a token of ``[start, start + count)`` has a new slot the group cannot store (``common.slot_rejected``),
+    ``token_chunk`` tokens per step."""
+    chunk = st.config.token_chunk
 
-def table_issues(inp: Inputs, t: jax.Array, req: jax.Array, start: jax.Array, listed, st: Static) -> TableIssues:
-    """The table issues of plan entries ``t`` (the first ``listed`` entries are checked, overflow or not)."""
-    position, _, raw, _ = _table_values(inp, t, req, start, st)
-    problem, value = common.slot_issue(raw, *lut_reader(inp), full_slots=st.full_slots, group_slots=st.group_slots)
-    return TableIssues(jnp.where(t < listed, problem, 0), value, raw, position)
+    def body(c, hit):
+        i = start + c * chunk + arange(chunk)
+        loc = load(inp.loc, i, i < start + count, other=-1)
+        rejected = common.slot_rejected(loc, *lut_reader(inp), full_slots=st.full_slots, group_slots=st.group_slots)
+        return jnp.maximum(hit, jnp.max(rejected.astype(jnp.int32)))  # no reduce_or in Triton (pallas_notes §9)
+
+    return lax.fori_loop(jnp.int32(0), (count + chunk - 1) // chunk, body, jnp.int32(0)) != 0
 
 
 def check_half(inp: Inputs, h: int, e: Entries, st: Static):

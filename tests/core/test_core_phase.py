@@ -9,6 +9,7 @@ import functools
 
 import chex
 import jax
+import jax.numpy as jnp
 import pytest
 
 import kvcanary_jax as kc
@@ -61,7 +62,7 @@ def _per_launch(buffers, log, batch, cpa, sources, *, tags, shape, backend):
             **common,
         )
         out.append(buf)
-    return device, tuple(out), vplan.enable
+    return device, tuple(out), 1 - vplan.enable  # the overflows a count starting at 0 gets
 
 
 @functools.partial(jax.jit, static_argnames=("tags", "shape", "backend"))
@@ -78,7 +79,9 @@ def _fused(buffers, log, batch, cpa, sources, *, tags, shape, backend):
         token_offset=shape.token_offset,
         full_slots=shape.num_slots,
         check_table=shape.check_table,  # valid tables: no INVALID_INPUT rows to add
+        skip_bad_requests=False,
         input_issues=None,
+        verify_overflows=jnp.zeros((1,), jnp.int32),
         backend=backend,
     )
 

@@ -61,6 +61,18 @@ def test_each_fault_is_reported_at_its_slot_request_and_step(worker, fault):
     assert run.launch_tag == tag.name
 
 
+def test_pages_of_four_tokens_run_silent_and_catch_every_fault(tmp_path_factory):
+    """A paged KV cache (sglang-jax's page_size=4): slots are page * 4 + offset, prefixes are shared by whole pages."""
+    path = sglang_engine.write_tiny_llama(tmp_path_factory.mktemp("tiny_llama_p4"))
+    paged = sglang_engine.build_worker(path, page_size=4, seed=0)
+    clean = sglang_faults.run(paged, None)
+    assert clean.ok and clean.cached_tokens > 0, clean.note
+    for fault in sglang_faults.FAULTS:
+        run = sglang_faults.run(paged, fault)
+        assert run.injected is not None and run.ok, f"{fault}: {run.note}: {run}"
+        assert (run.detected_step, run.slot, run.rid) == (run.injected.step, run.injected.slot, run.injected.rid)
+
+
 def test_the_token_asserts_need_the_requests(worker):
     sched = sglang_engine.MiniScheduler(worker, sglang_engine.workload(0, 2))
     with sglang_jax.wrap(worker, sglang_faults.ENGINE_CONFIG, tree_cache=sched.tree_cache):

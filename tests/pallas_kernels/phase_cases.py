@@ -55,6 +55,7 @@ def make_case(
     clean_seeds: bool = False,
     out_of_range: bool = True,
     roles: bool = False,
+    masked: bool = True,
 ):
     """``(buffers, log, batch, enable_chain_position_assert, sources, tags)`` for ``pallas_kernels.phase``.
 
@@ -64,7 +65,8 @@ def make_case(
     otherwise the buffers are random and nearly every verified entry fails. ``clean_seeds`` starts from zeros.
     ``out_of_range`` puts the padding slot and slots past the pool into the table, and slots past the pool into the
     tokens (the phase skips them, and a chain does not continue from them: the runner's input checks report them). ``roles`` gives the rows' roles explicitly, as the runner does: some rows with a
-    table row are not requests but own tokens (skipped), and the ring carries a context array.
+    table row are not requests but own tokens (skipped), and the ring carries a context array and a
+    verify-overflow count; ``masked=False`` leaves their tokens' slots as they were (for ``skip_bad_requests``).
     """
     rng = np.random.default_rng(seed)
     s = shape
@@ -129,7 +131,7 @@ def make_case(
         *(None if x is None else jnp.asarray(x) for x in (lut, pool, pool_lens, expected_ids, expected_positions)),
     )
     if roles:
-        batch = _with_roles(rng, batch)
+        batch = _with_roles(rng, batch, masked=masked)
 
     buffers = tuple(kernel_cases.random_buffer(rng, buf_slots) for _ in range(s.halves))
     if clean_seeds or primed:
@@ -150,20 +152,21 @@ def make_case(
         kernel_run_counters=jnp.asarray(counters[0]),
         slot_run_counters=jnp.asarray(counters[1]),
         context=jnp.asarray(rng.integers(-9, 99, (cap, 3)), jnp.int32) if roles else None,
+        verify_overflows=jnp.asarray([rng.choice([0, 7, 2**31 - 1])], jnp.int32) if roles else None,
     )
     cpa = jnp.full((1,), int(rng.random() < 0.8), jnp.int32)
     return buffers, log, batch, cpa, sources, tags
 
 
-def _with_roles(rng, batch: common.Batch) -> common.Batch:
+def _with_roles(rng, batch: common.Batch, *, masked: bool) -> common.Batch:
     """Explicit roles: every row with a table row owns ``max(extend, 0)`` tokens, but a third of them are not
-    requests (their tokens skipped, ``out_cache_loc = -1``, as the runner masks them)."""
+    requests (their tokens skipped, ``out_cache_loc = -1``, when ``masked``)."""
     rpi, extend = np.asarray(batch.req_pool_indices), np.asarray(batch.extend_lens)
     active = (rpi != 0) & (rng.random(rpi.shape) < 0.67)
     span = np.maximum(extend, 0).astype(np.int32)
     starts = np.cumsum(span) - span
     loc = np.asarray(batch.out_cache_loc).copy()
-    for r in np.nonzero(~active)[0]:
+    for r in np.nonzero(~active)[0] if masked else ():
         loc[starts[r] : starts[r] + span[r]] = -1
     return batch._replace(
         out_cache_loc=jnp.asarray(loc), active=jnp.asarray(active, jnp.int32), span_lens=jnp.asarray(span)

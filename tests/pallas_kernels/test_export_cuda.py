@@ -6,6 +6,7 @@ lowering on CPU. It does not compile PTX; the GPU run (``benchmarks/gpu_validate
 """
 
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
@@ -168,7 +169,8 @@ def test_canary_ops_lower():
 def _phase_args(tokens, *, swa: bool):
     i32 = lambda *shape: S(shape, jnp.int32)  # noqa: E731
     num_slots = 400 if swa else NUM_SLOTS
-    log = phase_common.Log(S((64, 8, 2), jnp.uint32), i32(1), S((12, 2), jnp.uint32), S((12, 2), jnp.uint32))
+    counters = S((12, 2), jnp.uint32)
+    log = phase_common.Log(S((64, 8, 2), jnp.uint32), i32(1), counters, counters, i32(64, 3), i32(1))
     batch = phase_common.Batch(
         i32(REQS),
         i32(REQS),
@@ -182,6 +184,8 @@ def _phase_args(tokens, *, swa: bool):
         i32(REQS),
         i32(tokens),
         i32(tokens),
+        i32(REQS),
+        i32(REQS),
     )
     buffers = (S((num_slots, 4, 2), jnp.uint32),) * 2
     return buffers, log, batch, i32(1)
@@ -200,7 +204,7 @@ def test_phase_lowers(tokens, swa):
         for dtypes in ((jnp.bfloat16,), (jnp.float8_e4m3fn, jnp.int8))
     )
 
-    def fn(buffers, log, batch, cpa, sources):
+    def fn(buffers, log, batch, cpa, sources, issues):
         return phase_api.phase(
             buffers,
             log,
@@ -212,14 +216,29 @@ def test_phase_lowers(tokens, swa):
             verify_capacity=CAPACITY,
             window=6 if swa else 0,
             token_offset=1,
+            full_slots=NUM_SLOTS,
+            check_table=True,
+            skip_bad_requests=True,
+            input_issues=issues,
             backend="pallas",
         )
 
-    text = _export(jax.jit(fn, donate_argnums=(0, 1)), buffers, log, batch, cpa, sources)
+    # Every optional input and switch: the rows' context, the overflow count, explicit roles, the caller's issues.
+    issues = S((len(phase_common.INPUT_ISSUE_FIELDS), 2 * REQS + tokens), jnp.int32)
+    text = _export(jax.jit(fn, donate_argnums=(0, 1)), buffers, log, batch, cpa, sources, issues)
     assert text.count(compat.TRITON_CUSTOM_CALL_TARGET) == 3
     dedupe = "pairwise" if tokens <= write_triton.PAIRWISE_MAX_TOKENS else "sort"
     for name in ("kvcanary_phase_check_block=128", "kvcanary_phase_ring", f"kvcanary_phase_store_block=128_{dedupe}"):
         assert name in text
+    # The ring kernel updates in place the ring, its context and the overflow count (output 6, after the write
+    # index, the two counters and ``enable``): unaliased, XLA copies the new count into the donated one each step.
+    assert _aliased_outputs(text, "kvcanary_phase_ring") == [0, 1, 6]
+
+
+def _aliased_outputs(text: str, kernel_name: str) -> list[int]:
+    """The outputs that the named kernel's custom call writes into one of its operands."""
+    (call,) = [line for line in text.splitlines() if kernel_name in line and "output_operand_alias" in line]
+    return sorted(int(i) for i in re.findall(r"output_tuple_indices = \[(\d+)\]", call))
 
 
 def test_decode_step_has_six_kernels_and_no_while_loop():

@@ -38,8 +38,22 @@ TINY_BLOCKS = pallas_triton.Config(
 MANY = Shape(num_reqs=20, max_len=10, num_tokens=30, capacity=80, ring_capacity=64, input_assert=True, check_table=True)
 
 
-@functools.partial(jax.jit, static_argnames=("tags", "shape", "backend", "config"))
-def _phase(buffers, log, batch, cpa, sources, issues=None, *, tags, shape, backend, config=None):
+@functools.partial(jax.jit, static_argnames=("tags", "shape", "backend", "config", "full_slots", "skip_bad_requests"))
+def _phase(
+    buffers,
+    log,
+    batch,
+    cpa,
+    sources,
+    issues=None,
+    *,
+    tags,
+    shape,
+    backend,
+    config=None,
+    full_slots=None,
+    skip_bad_requests=False,
+):
     kwargs = dict(
         input_issues=issues,
         tags=tags,
@@ -47,17 +61,19 @@ def _phase(buffers, log, batch, cpa, sources, issues=None, *, tags, shape, backe
         verify_capacity=shape.capacity,
         window=shape.window,
         token_offset=shape.token_offset,
+        full_slots=full_slots,
         check_table=shape.check_table,
+        skip_bad_requests=skip_bad_requests,
     )
     if config is not None:
         return pallas_triton.phase(buffers, log, batch, cpa, sources, interpret=True, config=config, **kwargs)
     return api.phase(buffers, log, batch, cpa, real_kv_sources=sources, backend=backend, **kwargs)
 
 
-def _assert_same(case, shape, config=None):
+def _assert_same(case, shape, config=None, **kwargs):
     *args, tags = case
-    want = _phase(*args, tags=tags, shape=shape, backend="xla")
-    got = _phase(*args, tags=tags, shape=shape, backend="interpret", config=config)
+    want = _phase(*args, tags=tags, shape=shape, backend="xla", **kwargs)
+    got = _phase(*args, tags=tags, shape=shape, backend="interpret", config=config, **kwargs)
     chex.assert_trees_all_equal(got, want)
     return want
 
@@ -114,6 +130,59 @@ def test_kernels_equal_reference_with_explicit_roles_and_context(name):
         assert len(context) and (context[:, 0] >= 0).all(), "placed rows name their request row"
         batch = case[2]
         assert set(context[:, 0]) <= set(np.asarray(batch.req_pool_indices)[np.asarray(batch.active) != 0])
+
+
+def _skipped_by_hand(batch: common.Batch, *, full_slots: int, group_slots: int) -> tuple[np.ndarray, int]:
+    """(out_cache_loc, requests rejected): every token of a row that is not a request, or of a request one of
+    whose slots is outside [1, full_slots) or translates outside [0, group_slots), set to -1."""
+    loc, span, active = (np.asarray(x).copy() for x in (batch.out_cache_loc, batch.span_lens, batch.active))
+    lut = None if batch.full_to_swa_index_mapping is None else np.asarray(batch.full_to_swa_index_mapping)
+
+    def rejected(slot: int) -> bool:
+        if slot < 0:
+            return False
+        if slot < 1 or slot >= full_slots:
+            return True
+        return lut is not None and not 0 <= lut[slot] < group_slots
+
+    start, rejections = 0, 0
+    for r in range(len(span)):
+        tokens = slice(start, min(start + span[r], len(loc)))
+        bad = any(rejected(int(x)) for x in loc[tokens])
+        rejections += bool(active[r] and bad)
+        if not active[r] or bad:
+            loc[tokens] = -1
+        start += span[r]
+    return loc, rejections
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_skip_bad_requests_writes_nothing_for_rejected_requests(name):
+    """With ``skip_bad_requests`` the phase on the raw ``out_cache_loc`` equals the phase without it on slots
+    skipped by hand (rows that are not requests, requests with a slot the group cannot store); kernels too."""
+    shape, rejections = VARIANTS[name], 0
+    full_slots = shape.num_slots
+    for seed, start in enumerate(("empty", "mid", "almost_full")):
+        *args, tags = make_case(30 + seed, shape, ring_start=start, roles=True, masked=False)
+        got = _assert_same((*args, tags), shape, full_slots=full_slots, skip_bad_requests=True)
+        batch = args[2]
+        loc, rejected = _skipped_by_hand(batch, full_slots=full_slots, group_slots=args[0][0].shape[0])
+        rejections += rejected
+        by_hand = (*args[:2], batch._replace(out_cache_loc=jnp.asarray(loc)), *args[3:])
+        want = _phase(*by_hand, tags=tags, shape=shape, backend="xla", full_slots=full_slots)
+        chex.assert_trees_all_equal(got, want)
+    assert rejections > 0, "the cases must hold requests with a slot the group cannot store"
+
+
+@pytest.mark.parametrize("backend", ["xla", "interpret"])
+def test_verify_overflows_counts_and_saturates(backend):
+    shape = VARIANTS["head_kv_input_assert_table"]
+    for overflow, count, want in [(True, 7, 8), (True, 2**31 - 1, 2**31 - 1), (False, 7, 7)]:
+        *args, tags = make_case(40, shape, overflow=overflow)
+        log = args[1]._replace(verify_overflows=jnp.asarray([count], jnp.int32))
+        _, out, enable = _phase(args[0], log, *args[2:], tags=tags, shape=shape, backend=backend)
+        assert int(enable[0]) == (0 if overflow else 1)
+        assert int(out.verify_overflows[0]) == want, (overflow, count)
 
 
 @pytest.mark.parametrize("config", [TINY_BLOCKS, None], ids=["tiny_blocks", "sort"])
@@ -225,6 +294,10 @@ def test_api_checks_teach():
         call(buffers, tags=tags, window=3)
     with pytest.raises(TypeError, match="check_table must be a bool; got 1"):
         call(buffers, tags=tags, check_table=1)
+    with pytest.raises(TypeError, match="skip_bad_requests must be a bool; got 'yes'"):
+        call(buffers, tags=tags, skip_bad_requests="yes")
+    with pytest.raises(ValueError, match=r"log.verify_overflows must have shape \(1,\)"):
+        call(buffers, tags=tags, log=log._replace(verify_overflows=jnp.zeros((2,), jnp.int32)))
     with pytest.raises(ValueError, match=r"input_issues must have shape \(8, \*\); got input_issues.shape=\(7, 2\)"):
         call(buffers, tags=tags, input_issues=jnp.zeros((7, 2), jnp.int32))
     with pytest.raises(TypeError, match="batch.input_ids must have dtype int32"):
