@@ -3,6 +3,7 @@ clean compile cache per test module."""
 
 import gc
 
+import chex
 import jax
 import pytest
 
@@ -15,8 +16,10 @@ def _fresh_compile_cache_per_module():
 
     XLA:CPU maps every compiled kernel's code into the process (about three memory maps each) and keeps them while
     the executable is cached. A whole run compiles thousands, and past the kernel's ``vm.max_map_count`` (65530 by
-    default) the next compile segfaults: the sglang-jax CI leg did, late in the run.
+    default) the next compile segfaults: the sglang-jax CI leg did, late in the run. chex's trace counters restart
+    with the caches: a shared jitted step traces once more in the next module, and only that once.
     """
     yield
     jax.clear_caches()
+    chex.clear_trace_counter()
     gc.collect()
