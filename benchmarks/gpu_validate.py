@@ -29,6 +29,7 @@ import kernel_cases as cases  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import kvcanary_jax as kc  # noqa: E402
 from pallas_kernels import compat, realkv  # noqa: E402
+from pallas_kernels.batch_checks import api as batch_checks_api  # noqa: E402
 from pallas_kernels.phase import api as phase_api  # noqa: E402
 from pallas_kernels.verify import api as verify_api  # noqa: E402
 from pallas_kernels.verify import pallas_triton as verify_triton  # noqa: E402
@@ -249,6 +250,41 @@ def x64_case():
     return run
 
 
+def batch_checks_case(num_rows: int, num_tokens: int, seeds=range(3)):
+    """The batch-checks kernel equals the jnp reference on random batches with bad values of every kind, for every
+    padding convention, with and without the token-history check."""
+
+    def run():
+        flagged = 0
+        for seed in seeds:
+            rng = np.random.default_rng(seed)
+            bad = rng.random(num_rows) < 0.05
+            rpi = np.where(
+                bad & (rng.random(num_rows) < 0.5), rng.integers(-2, 600, num_rows), rng.integers(1, 500, num_rows)
+            )
+            cached = np.where(bad & (rng.random(num_rows) < 0.3), -1, rng.integers(0, 1000, num_rows))
+            extend = rng.integers(0, 2 * num_tokens // num_rows + 1, num_rows)
+            extend = np.where(bad & (rng.random(num_rows) < 0.3), -1, extend)
+            loc = np.where(
+                rng.random(num_tokens) < 0.01, rng.integers(-2, 10_000, num_tokens), rng.integers(1, 9000, num_tokens)
+            )
+            lens = rng.integers(-1, 1100, num_rows)
+            arrays = [jnp.asarray(x, jnp.int32) for x in (rpi, cached, extend, loc, lens)]
+            for padding in ("negative", "reserved", "none"):
+                for width in (None, 1024):
+                    static = dict(
+                        padding=padding, table_rows=512, context_len=1100, num_slots=9000, token_ids_width=width
+                    )
+                    lens_arg = arrays[4] if width else None
+                    got = batch_checks_api.check(*arrays[:4], lens_arg, backend=BACKEND, **static)
+                    want = batch_checks_api.check(*arrays[:4], lens_arg, backend="xla", **static)
+                    chex.assert_trees_all_equal(got, want)
+                    flagged += int(np.count_nonzero(np.asarray(want.issues[0])))
+        return f"{len(seeds) * 6} batches equal, {flagged} candidates flagged"
+
+    return run
+
+
 @functools.partial(jax.jit, static_argnames=("tags", "shape", "backend", "skip_bad_requests"))
 def _phase(buffers, log, batch, cpa, sources, *, tags, shape, backend, skip_bad_requests=False):
     return phase_api.phase(
@@ -409,6 +445,8 @@ def main() -> None:
     overflow = [(20, dict(overflow=True))]
     runner_form = [(30, dict(ring_start="mid", roles=True, masked=False))]
     kv = dict(mode=1, sources=(BF16_P16,), input_assert=True, token_check=True, ring_capacity=1024, check_table=True)
+    case("batch checks 256 rows, 770 tokens", batch_checks_case(256, 770))
+    case("batch checks 4 rows, 8K tokens", batch_checks_case(4, 8192, seeds=range(1)))
     if args.quick:
         decode = phase_cases.Shape(num_slots=3000, num_reqs=8, max_len=64, num_tokens=24, capacity=500, **kv)
         case("phase decode (quick)", phase_case(decode, floods + primed + overflow + runner_form))

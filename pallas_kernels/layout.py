@@ -27,14 +27,24 @@ FAIL_WRITE_TOKEN = 1 << 3
 FAIL_WRITE_POSITION = 1 << 4
 FAIL_VERIFY_TOKEN = 1 << 5
 # Ours, beyond SGLang's six bits: a batch value the canary cannot check as given (an INVALID_INPUT row, whose
-# fail-bits word carries the field and the problem above bit 32). The fused phase reports req_to_token's.
+# fail-bits word carries the field and the problem above bit 32): the ``batch_checks`` op and the fused phase
+# report them.
 FAIL_INVALID_INPUT = 1 << 7
 INPUT_FIELD_SHIFT = 32
 INPUT_PROBLEM_SHIFT = 40
+INPUT_FIELD_REQ_POOL_INDICES = 1
+INPUT_FIELD_PREFIX_LENS = 2
+INPUT_FIELD_EXTEND_LENS = 3
 INPUT_FIELD_REQ_TO_TOKEN = 4
+INPUT_FIELD_OUT_CACHE_LOC = 5
 INPUT_FIELD_FULL_TO_SWA_INDEX_MAPPING = 6
+INPUT_FIELD_TOKEN_IDS_LENS = 7
 INPUT_PROBLEM_OUT_OF_RANGE = 1
+INPUT_PROBLEM_NEGATIVE = 2
+INPUT_PROBLEM_RESERVED_ROW = 3
 INPUT_PROBLEM_RESERVED_SLOT = 4
+INPUT_PROBLEM_PAST_TOKENS = 5
+INPUT_PROBLEM_PAST_CONTEXT = 6
 
 REAL_KV_NONE = 0
 REAL_KV_PARTIAL = 1

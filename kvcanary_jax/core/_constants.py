@@ -88,13 +88,13 @@ class FailReason(enum.IntFlag):
 class InputField(enum.IntEnum):
     """The batch field an ``INVALID_INPUT`` row names (bits 32..39 of its ``fail_reason_bits``)."""
 
-    REQ_POOL_INDICES = 1
-    PREFIX_LENS = 2
-    EXTEND_LENS = 3
+    REQ_POOL_INDICES = layout.INPUT_FIELD_REQ_POOL_INDICES
+    PREFIX_LENS = layout.INPUT_FIELD_PREFIX_LENS
+    EXTEND_LENS = layout.INPUT_FIELD_EXTEND_LENS
     REQ_TO_TOKEN = layout.INPUT_FIELD_REQ_TO_TOKEN
-    OUT_CACHE_LOC = 5
+    OUT_CACHE_LOC = layout.INPUT_FIELD_OUT_CACHE_LOC
     FULL_TO_SWA_INDEX_MAPPING = layout.INPUT_FIELD_FULL_TO_SWA_INDEX_MAPPING
-    TOKEN_IDS_LENS = 7
+    TOKEN_IDS_LENS = layout.INPUT_FIELD_TOKEN_IDS_LENS
 
 
 class InputProblem(enum.IntEnum):
@@ -102,11 +102,16 @@ class InputProblem(enum.IntEnum):
 
     # outside [lower bound, limit); the row's expected_token holds the limit
     OUT_OF_RANGE = layout.INPUT_PROBLEM_OUT_OF_RANGE
-    NEGATIVE = 2  # a length or count below 0
-    RESERVED_ROW = 3  # a request with tokens in the reserved request row (padding="reserved")
-    RESERVED_SLOT = layout.INPUT_PROBLEM_RESERVED_SLOT  # a request position mapped to the reserved padding slot 0
-    PAST_TOKENS = 5  # the row's tokens run past the batch's token arrays (sum(extend_lens) > T)
-    PAST_CONTEXT = 6  # prefix_lens + extend_lens exceeds req_to_token's width
+    # a length or count below 0
+    NEGATIVE = layout.INPUT_PROBLEM_NEGATIVE
+    # a request with tokens in the reserved request row (padding="reserved")
+    RESERVED_ROW = layout.INPUT_PROBLEM_RESERVED_ROW
+    # a request position mapped to the reserved padding slot 0
+    RESERVED_SLOT = layout.INPUT_PROBLEM_RESERVED_SLOT
+    # the row's tokens run past the batch's token arrays (sum(extend_lens) > T)
+    PAST_TOKENS = layout.INPUT_PROBLEM_PAST_TOKENS
+    # prefix_lens + extend_lens exceeds req_to_token's width
+    PAST_CONTEXT = layout.INPUT_PROBLEM_PAST_CONTEXT
 
 
 INPUT_FIELD_SHIFT = layout.INPUT_FIELD_SHIFT  # fail_reason_bits = INVALID_INPUT | field << 32 | problem << 40

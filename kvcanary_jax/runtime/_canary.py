@@ -365,7 +365,7 @@ class KvCanary:
             ),
             expected_input_ids=expected[0],
             expected_input_positions=expected[1],
-            active=rows.active.astype(jnp.int32),
+            active=rows.active,
             span_lens=rows.span_lens,
         )
         buffers = state.buffers(g)
@@ -383,7 +383,7 @@ class KvCanary:
             full_slots=self.pool.num_slots,
             check_table=head,
             skip_bad_requests=True,
-            input_issues=None if issues is None else issues.stacked(),
+            input_issues=issues,
             # Only the HEAD phase counts overflows: the TAIL phase rebuilds the identical plan.
             verify_overflows=state.verify_overflows if head else None,
             backend=self.config.backend,
@@ -401,7 +401,9 @@ class KvCanary:
         """
         checked = self._group(state, batch, rows, g)
         if issues is not None:  # the HEAD's INVALID_INPUT rows: the rows' and tokens', then the table's
-            state = self._append_issues(state, _inputs.Issues.concat([issues, checked.table_issues]), g)
+            state = self._append_issues(
+                state, _inputs.Issues.concat([_inputs.Issues.unstacked(issues), checked.table_issues]), g
+            )
         buffers, capacity = state.buffers(g), state.device.violation_log.ring_capacity
         check_token = self.config.enable_verify_token_assert
         verifies = [
@@ -445,7 +447,9 @@ class KvCanary:
             padding=self.pool.padding,
             table_rows=batch.req_to_token.shape[0],
             context_len=batch.req_to_token.shape[1],
+            num_slots=self.pool.num_slots,
             token_ids_width=token_pool.shape[1] if self.config.enable_verify_token_assert else None,
+            backend=self.config.backend,
         )
 
     def _group(self, state: CanaryState, batch: CanaryBatch, rows: _inputs.Rows, g: _pool.Group) -> _inputs.Group:
@@ -490,7 +494,7 @@ class KvCanary:
             return state
         pool_tokens = state.device.req_to_verify_expected_tokens
         # Rows that are not requests (padding, or rejected by the checks) go to an index past the pool: dropped.
-        target = jnp.where(rows.active, batch.req_pool_indices, pool_tokens.shape[0])
+        target = jnp.where(rows.active != 0, batch.req_pool_indices, pool_tokens.shape[0])
         source = batch.token_ids[jnp.clip(batch.req_pool_indices, 0, batch.token_ids.shape[0] - 1)]
         pool_tokens = pool_tokens.at[target].set(source, mode="drop")
         device = dataclasses.replace(state.device, req_to_verify_expected_tokens=pool_tokens)
@@ -569,8 +573,11 @@ class KvCanary:
                     )
             checks.same_length(group)
         table = arrays["req_to_token"]
-        # An empty one: the phase op (or build_plans, on the per-launch path) names it.
         checks.array("batch.req_to_token", table, dtype=jnp.int32, ndim=2)
+        if 0 in table.shape:  # the plans gather from it (clamping), so each axis needs an entry
+            raise ValueError(
+                f"batch.req_to_token needs at least one row and one column; got batch.req_to_token.shape={table.shape}"
+            )
         if self.pool.swa is not None:
             lut = arrays.get("full_to_swa_index_mapping")
             if lut is None:

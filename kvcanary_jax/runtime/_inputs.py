@@ -2,7 +2,8 @@
 
 JAX clamps out-of-range gathers and drops out-of-range scatters without a word, so a batch whose conventions
 differ from the canary's would go unchecked, or report rows that name nothing. Before the launches, every value
-they index with is checked against the pool, the table and the token arrays. A bad value is reported once per step,
+they index with is checked against the pool, the table and the token arrays (the rows and the FULL pool's new slots
+by the lower layer's ``batch_checks`` op, one launch on GPU). A bad value is reported once per step,
 as a row naming the field, the batch entry and the value, and is masked out of the launches: its row (request) is
 not verified or written, its slot is skipped, so it adds no rows of its own. A request with a bad new slot writes
 nothing (a partial write would trip the chain-position assert), one whose seed slot is bad starts a new chain, and
@@ -27,11 +28,10 @@ import jax
 import jax.numpy as jnp
 
 from kvcanary_jax.core import _plans, _ring
-from kvcanary_jax.core._constants import InputField, InputProblem
-from pallas_kernels import layout, prefix
+from kvcanary_jax.core._constants import InputField
+from pallas_kernels.batch_checks import api as batch_checks
+from pallas_kernels.batch_checks import reference as batch_checks_reference
 from pallas_kernels.phase import common as phase_common
-
-_RESERVED_SLOT = layout.PADDING_SLOT
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,6 +52,11 @@ class Issues:
         """Broadcasts every field to ``problem``'s shape."""
         full = lambda x: jnp.broadcast_to(jnp.asarray(x, jnp.int32), problem.shape)  # noqa: E731
         return cls(*(full(x) for x in (problem, field, value, limit, slot, position, entry, request)))
+
+    @classmethod
+    def unstacked(cls, issues: jax.Array) -> Issues:
+        """From an i32[8, n] array of candidates (rows ``phase.common.INPUT_ISSUE_FIELDS``), :meth:`stacked`'s."""
+        return cls(*(issues[f] for f in range(len(phase_common.INPUT_ISSUE_FIELDS))))
 
     @staticmethod
     def concat(parts: list[Issues]) -> Issues:
@@ -74,99 +79,67 @@ class Issues:
 
 @dataclasses.dataclass(frozen=True)
 class Rows:
-    """The batch rows' roles after their checks.
+    """The batch rows' roles after their checks (the ``batch_checks`` op's :class:`Checked`, for this layer).
 
     Attributes:
-      active: bool[bs] rows that are requests the launches verify and write.
+      active: i32[bs] 1 for the rows that are requests (the launches verify and write them), else 0.
       span_lens: i32[bs] token entries each row owns (>= 0), active or not: the token layout stays as given.
       span_starts: i32[bs] each row's first token entry.
       token_rows: i32[T] batch row owning each token entry; -1 past every span.
-      issues: one per row (its first problem), for the FULL group's input launch.
+      full_issues: i32[8, n] the FULL group's ``INVALID_INPUT`` candidates (rows ``INPUT_ISSUE_FIELDS``): one per
+        row (its first problem), per request's ``token_ids_lens`` when the verify-token check is on, then per
+        token's new slot.
     """
 
     active: jax.Array
     span_lens: jax.Array
     span_starts: jax.Array
     token_rows: jax.Array
-    issues: Issues
+    full_issues: jax.Array
 
 
-def check_rows(batch, *, padding: str, table_rows: int, context_len: int, token_ids_width: int | None) -> Rows:
-    """Checks each batch row: its request row, its lengths, its tokens' span; and says which rows are requests.
+def check_rows(
+    batch,
+    *,
+    padding: str,
+    table_rows: int,
+    context_len: int,
+    num_slots: int,
+    token_ids_width: int | None,
+    backend: str,
+) -> Rows:
+    """Checks each batch row (its request row, its lengths, its tokens' span) and each request token's new slot;
+    says which rows are requests (``pallas_kernels.batch_checks``: one Triton launch on GPU, jnp elsewhere).
 
     Args:
       batch: the :class:`CanaryBatch` (jax arrays).
       padding: the pool's convention: ``"negative"`` (rows < 0 are padding), ``"reserved"`` (row 0 is padding) or
         ``"none"`` (no padding rows).
       table_rows, context_len: ``req_to_token``'s shape.
+      num_slots: the FULL pool's slots.
       token_ids_width: the expected-token pool's width when the verify-token assert is on, else None.
+      backend: the canary's backend; the op has no Mosaic kernel, so on TPU it runs its jnp reference.
     """
-    rpi, cached, extend = batch.req_pool_indices, batch.prefix_lens, batch.extend_lens
-    num_tokens = batch.input_ids.shape[0]
-    r = jnp.arange(rpi.shape[0], dtype=jnp.int32)
-    span_lens = jnp.maximum(extend, 0)
-    span_ends = prefix.inclusive_sum(span_lens)
-    token_rows = _token_rows(span_ends, num_tokens)
-    no_rows = jnp.zeros_like(rpi, bool)
-    padding_row = {"negative": rpi < 0, "reserved": rpi == 0}.get(padding, no_rows)
-    lower = 1 if padding == "reserved" else 0
-    # A row whose span is unknown (negative) or runs past the token arrays: the spans after it cannot be located
-    # either. They are skipped with it, and only it is reported (one bad value, one row).
-    bad_span = ~padding_row & ((extend < 0) | (span_ends > num_tokens))
-    after_bad_span = prefix.inclusive_sum(bad_span.astype(jnp.int32)) - bad_span > 0
-    reserved_in_use = no_rows
-    if padding == "reserved":
-        # A padding row may own tokens that write the padding slot (CUDA-graph padding); a request in row 0 has a
-        # cached prefix or writes a real slot (known only where the row's span can be located).
-        writes_real_slot = _segment_any(
-            (batch.out_cache_loc > _RESERVED_SLOT) & (token_rows >= 0), token_rows, rpi.shape[0]
-        )
-        reserved_in_use = padding_row & ((cached > 0) | (writes_real_slot & ~after_bad_span))
-    checks = [  # (problem where bad, field, value, limit); the first bad one names the row
-        (reserved_in_use, InputProblem.RESERVED_ROW, InputField.REQ_POOL_INDICES, rpi, -1),
-        (~padding_row & ((rpi < lower) | (rpi >= table_rows)), InputProblem.OUT_OF_RANGE, InputField.REQ_POOL_INDICES, rpi, table_rows),
-        (~padding_row & (cached < 0), InputProblem.NEGATIVE, InputField.PREFIX_LENS, cached, -1),
-        (~padding_row & (extend < 0), InputProblem.NEGATIVE, InputField.EXTEND_LENS, extend, -1),
-        (~padding_row & (cached + extend > context_len), InputProblem.PAST_CONTEXT, InputField.EXTEND_LENS, cached + extend, context_len),
-        (~padding_row & (span_ends > num_tokens) & ~after_bad_span, InputProblem.PAST_TOKENS, InputField.EXTEND_LENS, span_ends, num_tokens),
-    ]  # fmt: skip
-    problem, field, value, limit = (jnp.zeros_like(rpi) for _ in range(4))
-    for bad, p, f, v, lim in reversed(checks):  # reversed: the first listed problem wins
-        problem, field = jnp.where(bad, int(p), problem), jnp.where(bad, int(f), field)
-        value, limit = jnp.where(bad, v, value), jnp.where(bad, lim, limit)
-    active = ~padding_row & (problem == 0) & ~after_bad_span
-    issues = [Issues.of(problem, field, value, limit=limit, entry=r, request=jnp.where(problem == 0, rpi, -1))]
-    if token_ids_width is not None:
-        lens = batch.token_ids_lens
-        bad = active & ((lens < 0) | (lens > token_ids_width))
-        lens_problem = jnp.where(bad, int(InputProblem.OUT_OF_RANGE), 0)
-        issues.append(
-            Issues.of(lens_problem, InputField.TOKEN_IDS_LENS, lens, limit=token_ids_width + 1, entry=r, request=rpi)
-        )
+    checked = batch_checks.check(
+        batch.req_pool_indices,
+        batch.prefix_lens,
+        batch.extend_lens,
+        batch.out_cache_loc,
+        None if token_ids_width is None else batch.token_ids_lens,
+        padding=padding,
+        table_rows=table_rows,
+        context_len=context_len,
+        num_slots=num_slots,
+        token_ids_width=token_ids_width,
+        backend={"interpret_tpu": "xla", "pallas": "auto"}.get(backend, backend),
+    )
     return Rows(
-        active=active,
-        span_lens=span_lens,
-        span_starts=span_ends - span_lens,
-        token_rows=token_rows,
-        issues=Issues.concat(issues),
+        active=checked.active,
+        span_lens=checked.span_lens,
+        span_starts=checked.span_starts,
+        token_rows=checked.token_rows,
+        full_issues=checked.issues,
     )
-
-
-def _token_rows(span_ends: jax.Array, num_tokens: int) -> jax.Array:
-    """i32[T]: the row whose span holds each token entry, -1 past the last span."""
-    t = jnp.arange(num_tokens, dtype=jnp.int32)
-    row = jnp.searchsorted(span_ends, t, side="right", method="compare_all").astype(jnp.int32)
-    return jnp.where(row < span_ends.shape[0], row, -1)
-
-
-def _segment_any(flags: jax.Array, segments: jax.Array, num_segments: int) -> jax.Array:
-    """bool[num_segments]: whether any flag of each segment id is set (ids < 0 are ignored)."""
-    hits = (
-        jnp.zeros((num_segments,), jnp.int32)
-        .at[jnp.where(segments >= 0, segments, num_segments)]
-        .max(flags.astype(jnp.int32), mode="drop")
-    )
-    return hits > 0
 
 
 def token_history_lens(batch, token_pool: jax.Array) -> jax.Array:
@@ -191,41 +164,27 @@ def request_slots(
         loc, *phase_common.lut_reader(lut), full_slots=full_num_slots, group_slots=group_slots
     )
     row_of = jnp.maximum(rows.token_rows, 0)
-    unwritten = _segment_any(live & rejected, rows.token_rows, rows.active.shape[0])
+    unwritten = batch_checks_reference.segment_any(live & rejected, rows.token_rows, rows.active.shape[0])
     return jnp.where(live & ~unwritten[row_of], loc, -1)
 
 
 def _live_tokens(rows: Rows) -> jax.Array:
     """bool[T]: token entries owned by a row that is a request."""
-    return (rows.token_rows >= 0) & rows.active[jnp.maximum(rows.token_rows, 0)]
+    return (rows.token_rows >= 0) & (rows.active[jnp.maximum(rows.token_rows, 0)] != 0)
 
 
-def _token_problems(loc: jax.Array, rows: Rows, full_num_slots: int) -> jax.Array:
-    """i32[T] problem of each request token's new slot (0 = fine, or skipped: < 0)."""
-    problem, _ = phase_common.slot_issue(loc, None, None, full_slots=full_num_slots, group_slots=full_num_slots)
-    return jnp.where(_live_tokens(rows) & (loc >= 0), problem, 0)
+def group_issues(batch, rows: Rows, *, window: int, num_slots: int, full_num_slots: int) -> jax.Array:
+    """i32[8, n]: a group's ``INVALID_INPUT`` candidates of the rows and tokens, in ring order (rows
+    ``INPUT_ISSUE_FIELDS``). (The cached positions' ``req_to_token`` values are the phase's: ``check_table``.)
 
-
-def group_issues(batch, rows: Rows, *, window: int, num_slots: int, full_num_slots: int) -> Issues:
-    """A group's ``INVALID_INPUT`` candidates of the rows and tokens, in ring order: the rows' (FULL group only),
-    then the tokens'. (The cached positions' ``req_to_token`` values are the phase's: ``check_table``.)
-
-    The FULL group (``window == 0``) checks ``out_cache_loc`` against ``[1, num_slots)``; the SWA group checks what
-    ``full_to_swa_index_mapping`` makes of the slots the FULL group accepted, against its own ``num_slots``.
+    The FULL group's (``window == 0``) are the rows' checks (:attr:`Rows.full_issues`): each row's, then each
+    token's ``out_cache_loc`` against ``[1, num_slots)``. The SWA group checks what ``full_to_swa_index_mapping``
+    makes of the slots the FULL group accepted, against its own ``num_slots``.
     """
-    rpi, t = batch.req_pool_indices, jnp.arange(batch.out_cache_loc.shape[0], dtype=jnp.int32)
-    row_of = jnp.maximum(rows.token_rows, 0)
-    at = dict(
-        position=batch.prefix_lens[row_of] + t - rows.span_starts[row_of],
-        entry=t,
-        request=jnp.where(_live_tokens(rows), rpi[row_of], -1),
-    )
     if not window:
-        loc = batch.out_cache_loc
-        problem = _token_problems(loc, rows, full_num_slots)
-        return Issues.concat(
-            [rows.issues, Issues.of(problem, InputField.OUT_CACHE_LOC, loc, limit=num_slots, slot=loc, **at)]
-        )
+        return rows.full_issues
+    t = jnp.arange(batch.out_cache_loc.shape[0], dtype=jnp.int32)
+    row_of = jnp.maximum(rows.token_rows, 0)
     full_loc = request_slots(batch, rows, full_num_slots=full_num_slots)  # the FULL group reports the others
     problem, swa_loc = phase_common.slot_issue(
         full_loc,
@@ -233,8 +192,16 @@ def group_issues(batch, rows: Rows, *, window: int, num_slots: int, full_num_slo
         full_slots=full_num_slots,
         group_slots=num_slots,
     )
-    field = InputField.FULL_TO_SWA_INDEX_MAPPING
-    return Issues.of(problem, field, swa_loc, limit=num_slots, slot=full_loc, **at)
+    return Issues.of(
+        problem,
+        InputField.FULL_TO_SWA_INDEX_MAPPING,
+        swa_loc,
+        limit=num_slots,
+        slot=full_loc,
+        position=batch.prefix_lens[row_of] + t - rows.span_starts[row_of],
+        entry=t,
+        request=jnp.where(_live_tokens(rows), batch.req_pool_indices[row_of], -1),
+    ).stacked()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -273,11 +240,11 @@ def check_group(
     lut = batch.full_to_swa_index_mapping if window else None
     valid_lens = None if token_pool is None else token_history_lens(batch, token_pool)
     verify_plan, write_plan, plan_rows = _plans.build(
-        jnp.where(rows.active, rpi, 0),
+        jnp.where(rows.active != 0, rpi, 0),
         batch.prefix_lens,
         batch.extend_lens,
         batch.req_to_token,
-        active=rows.active,
+        active=rows.active != 0,
         span_lens=rows.span_lens,
         verify_capacity=verify_capacity,
         write_req_capacity=rpi.shape[0],
@@ -325,7 +292,7 @@ def check_group(
     bs = rpi.shape[0]
     table = batch.req_to_token
     raw_seed = table[jnp.clip(rpi, 0, table.shape[0] - 1), jnp.clip(batch.prefix_lens - 1, 0, table.shape[1] - 1)]
-    seed_live = rows.active & (batch.prefix_lens > 0) & (rows.span_lens > 0)
+    seed_live = (rows.active != 0) & (batch.prefix_lens > 0) & (rows.span_lens > 0)
     seeds = phase_common.seed_slot(
         raw_seed, seed_live, gather_lut, lut_size, full_slots=full_num_slots, group_slots=num_slots
     )

@@ -523,19 +523,20 @@ def phase(
     )  # fmt: skip
     first_ring = len(inputs) + len(checked) + len(issues)
     ring_aliases = {first_ring + k: k for k in range(1 + len(context))}  # the ring (and its context): rows in place
+    ring_out_shape = (
+        jax.ShapeDtypeStruct(ring_rows.shape, u32),
+        *(jax.ShapeDtypeStruct(c.shape, i32) for c in context),
+        jax.ShapeDtypeStruct((1,), i32),
+        jax.ShapeDtypeStruct(log.kernel_run_counters.shape, u32),
+        jax.ShapeDtypeStruct(log.slot_run_counters.shape, u32),
+        jax.ShapeDtypeStruct((1,), i32),
+        *(jax.ShapeDtypeStruct((1,), i32) for _ in overflows),
+    )
     if overflows:  # only program 0 reads the count, so it may be updated in place too (no copy into the donated one)
-        ring_aliases[len(ring_inputs) - 1] = 1 + len(context) + 4
+        ring_aliases[len(ring_inputs) - 1] = len(ring_out_shape) - 1  # the last input and the last output
     ring_out = call(
         functools.partial(_ring_kernel, st=st),
-        out_shape=(
-            jax.ShapeDtypeStruct(ring_rows.shape, u32),
-            *(jax.ShapeDtypeStruct(c.shape, i32) for c in context),
-            jax.ShapeDtypeStruct((1,), i32),
-            jax.ShapeDtypeStruct(log.kernel_run_counters.shape, u32),
-            jax.ShapeDtypeStruct(log.slot_run_counters.shape, u32),
-            jax.ShapeDtypeStruct((1,), i32),
-            *(jax.ShapeDtypeStruct((1,), i32) for _ in overflows),
-        ),
+        out_shape=ring_out_shape,
         grid=(num_blocks + num_reqs,),
         name="kvcanary_phase_ring",
         interpret=interpret,

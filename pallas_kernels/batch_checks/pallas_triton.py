@@ -1,0 +1,273 @@
+"""The batch checks as one Pallas Triton launch, ``kvcanary_batch_checks``, byte-identical to ``reference.check``.
+
+The jnp checks cost five small XLA kernels per step on GPU (two prefix sums, their epilogue, the token-to-row
+search, the stack of the candidates). Here one launch does it: program 0 checks the rows, ``row_chunk`` at a time,
+carrying the span and bad-span prefix sums from chunk to chunk (for the ``"reserved"`` convention it also counts
+each row's tokens that write a real slot); programs ``1 + k`` check token chunk ``k``, each recomputing the rows'
+roles chunk by chunk to find its tokens' rows. No program reads another's output, so there is no ordering to keep,
+and every output element is written by exactly one program.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
+
+from pallas_kernels import compat, layout
+from pallas_kernels.batch_checks import reference
+from pallas_kernels.phase import common as phase_common
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """Launch shape: rows and tokens per step (powers of 2), Triton's warps."""
+
+    row_chunk: int = 32
+    token_chunk: int = 64
+    num_warps: int = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class _Static:
+    num_rows: int
+    num_tokens: int
+    padding: str
+    table_rows: int
+    context_len: int
+    num_slots: int
+    token_ids_width: int | None
+    config: Config
+
+
+class _Rows(NamedTuple):
+    """One chunk of rows (i32 or bool [row_chunk] each); masked lanes own no tokens."""
+
+    j: jax.Array
+    valid: jax.Array
+    rpi: jax.Array
+    cached: jax.Array
+    extend: jax.Array
+    span: jax.Array
+    start: jax.Array
+    end: jax.Array
+    padding_row: jax.Array
+    after_bad_span: jax.Array
+
+
+def _arange(n: int) -> jax.Array:
+    return jnp.arange(n, dtype=jnp.int32)
+
+
+def _load(ref, idx, mask, other=0):
+    return plt.load(ref.at[idx], mask=mask, other=other)
+
+
+def _row_chunk(refs, c, carry, st: _Static) -> tuple[_Rows, tuple]:
+    """Rows ``[c * row_chunk, ...)`` with their spans, from the spans and bad spans of the rows before (``carry``)."""
+    rpi_ref, cached_ref, extend_ref = refs
+    span_before, bad_before = carry
+    j = c * st.config.row_chunk + _arange(st.config.row_chunk)
+    valid = j < st.num_rows
+    rpi, cached, extend = (_load(ref, j, valid) for ref in (rpi_ref, cached_ref, extend_ref))
+    span = jnp.where(valid, jnp.maximum(extend, 0), 0)
+    end = span_before + jnp.cumsum(span, dtype=jnp.int32)
+    padding_row = reference.padding_rows(rpi, st.padding)
+    bad = (valid & reference.bad_span(padding_row, extend, end, st.num_tokens)).astype(jnp.int32)
+    after = bad_before + jnp.cumsum(bad, dtype=jnp.int32) - bad > 0
+    rows = _Rows(j, valid, rpi, cached, extend, span, end - span, end, padding_row, after)
+    return rows, (span_before + jnp.sum(span, dtype=jnp.int32), bad_before + jnp.sum(bad, dtype=jnp.int32))
+
+
+def _row_issue(rows: _Rows, reserved_in_use, st: _Static):
+    return reference.row_issue(
+        rows.rpi,
+        rows.cached,
+        rows.extend,
+        rows.end,
+        rows.padding_row,
+        rows.after_bad_span,
+        reserved_in_use,
+        padding=st.padding,
+        table_rows=st.table_rows,
+        context_len=st.context_len,
+        num_tokens=st.num_tokens,
+    )
+
+
+def _store_columns(issues_ref, column, mask, fields: tuple) -> None:
+    """Stores candidates' eight fields (``reference.issue_fields``) at ``issues_ref[:, column]`` where ``mask``."""
+    for f, value in enumerate(fields):
+        plt.store(issues_ref.at[jnp.full(column.shape, f, jnp.int32), column], value, mask=mask)
+
+
+def _writes_real_slot(loc_ref, rows: _Rows, st: _Static) -> jax.Array:
+    """bool[row_chunk]: a token of the row (within the token arrays) writes a slot past the padding slot."""
+    chunk = st.config.token_chunk
+    lo = jnp.min(rows.start)  # lane 0's: the starts never decrease
+    hi = jnp.minimum(jnp.max(rows.end), st.num_tokens)
+
+    def body(k, hits):
+        t = lo + k * chunk + _arange(chunk)
+        real = _load(loc_ref, t, t < hi, other=-1) > layout.PADDING_SLOT
+        own = (rows.start[:, None] <= t[None, :]) & (t[None, :] < rows.end[:, None]) & real[None, :]
+        return hits + jnp.sum(own.astype(jnp.int32), axis=1, dtype=jnp.int32)
+
+    steps = jnp.maximum(hi - lo + chunk - 1, 0) // chunk
+    return lax.fori_loop(jnp.int32(0), steps, body, jnp.zeros(rows.j.shape, jnp.int32)) > 0
+
+
+def _check_rows(refs, loc_ref, lens_ref, outs, st: _Static) -> None:
+    """Program 0: each row's roles and first problem (and its ``token_ids_lens``' problem)."""
+    active_ref, span_ref, start_ref, _, issues_ref = outs
+
+    def body(c, carry):
+        rows, carry = _row_chunk(refs, c, carry, st)
+        reserved_in_use = jnp.zeros(rows.j.shape, bool)
+        if st.padding == "reserved":
+            real = _writes_real_slot(loc_ref, rows, st)
+            reserved_in_use = rows.padding_row & ((rows.cached > 0) | (real & ~rows.after_bad_span))
+        problem, field, value, limit, active = _row_issue(rows, reserved_in_use, st)
+        for ref, x in ((active_ref, active.astype(jnp.int32)), (span_ref, rows.span), (start_ref, rows.start)):
+            plt.store(ref.at[rows.j], x, mask=rows.valid)
+        request = jnp.where(problem == 0, rows.rpi, -1)
+        fields = reference.issue_fields(problem, field, value, limit=limit, entry=rows.j, request=request)
+        _store_columns(issues_ref, rows.j, rows.valid, fields)
+        if st.token_ids_width is not None:
+            lens = _load(lens_ref, rows.j, rows.valid)
+            width = st.token_ids_width
+            problem = reference.lens_issue(lens, active, width)
+            field = layout.INPUT_FIELD_TOKEN_IDS_LENS
+            fields = reference.issue_fields(problem, field, lens, limit=width + 1, entry=rows.j, request=rows.rpi)
+            _store_columns(issues_ref, st.num_rows + rows.j, rows.valid, fields)
+        return carry
+
+    _loop(-(-st.num_rows // st.config.row_chunk), body, (jnp.int32(0), jnp.int32(0)))
+
+
+def _check_tokens(refs, loc_ref, outs, k, st: _Static) -> None:
+    """Program ``1 + k``: token chunk ``k``'s rows and new slots' problems."""
+    _, _, _, token_rows_ref, issues_ref = outs
+    t = k * st.config.token_chunk + _arange(st.config.token_chunk)
+    valid = t < st.num_tokens
+
+    def body(c, carry):
+        spans, picked = carry
+        rows, spans = _row_chunk(refs, c, spans, st)
+        # A request row is never a reserved padding row, so its role does not need the reserved-row check.
+        _, _, _, _, active = _row_issue(rows, jnp.zeros(rows.j.shape, bool), st)
+        own = (rows.start[None, :] <= t[:, None]) & (t[:, None] < rows.end[None, :])  # one row at most per token
+
+        def pick(x):
+            return jnp.sum(jnp.where(own, x[None, :], 0), axis=1, dtype=jnp.int32)
+
+        facts = (jnp.ones_like(rows.j), rows.j, active.astype(jnp.int32), rows.cached, rows.start, rows.rpi)
+        return spans, tuple(p + pick(x) for p, x in zip(picked, facts, strict=True))
+
+    zeros = jnp.zeros(t.shape, jnp.int32)
+    init = ((jnp.int32(0), jnp.int32(0)), (zeros,) * 6)
+    _, (owned, row, active, cached, start, rpi) = _loop(-(-st.num_rows // st.config.row_chunk), body, init)
+    owned = owned > 0
+    token_row = jnp.where(owned, row, -1)
+    plt.store(token_rows_ref.at[t], token_row, mask=valid)
+    # A token no row owns reads row 0's facts, as the reference's clamped gathers do (its problem is 0).
+    cached = jnp.where(owned, cached, refs[1][0])
+    start = jnp.where(owned, start, 0)
+    live = owned & (active != 0)
+    loc = _load(loc_ref, t, valid, other=-1)
+    fields = reference.issue_fields(
+        reference.token_issue(loc, live, st.num_slots),
+        layout.INPUT_FIELD_OUT_CACHE_LOC,
+        loc,
+        limit=st.num_slots,
+        slot=loc,
+        position=cached + t - start,
+        entry=t,
+        request=jnp.where(live, rpi, -1),
+    )
+    first = st.num_rows * (1 if st.token_ids_width is None else 2)
+    _store_columns(issues_ref, first + t, valid, fields)
+
+
+def _loop(n: int, body, carry):
+    """``fori_loop`` over a static trip count; a single step is inlined."""
+    if n == 1:
+        return body(jnp.int32(0), carry)
+    return lax.fori_loop(jnp.int32(0), jnp.int32(n), body, carry)
+
+
+def _kernel(*refs, st: _Static):
+    rpi_ref, cached_ref, extend_ref, loc_ref = refs[:4]
+    lens_ref = refs[4] if st.token_ids_width is not None else None
+    outs = refs[-5:]
+    row_refs = (rpi_ref, cached_ref, extend_ref)
+    pid = pl.program_id(0)
+
+    @pl.when(pid == 0)
+    def _rows():
+        _check_rows(row_refs, loc_ref, lens_ref, outs, st)
+
+    @pl.when(pid > 0)
+    def _tokens():
+        _check_tokens(row_refs, loc_ref, outs, pid - 1, st)
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=(
+        "padding",
+        "table_rows",
+        "context_len",
+        "num_slots",
+        "token_ids_width",
+        "interpret",
+        "config",
+    ),
+)
+def check(
+    req_pool_indices: jax.Array,
+    prefix_lens: jax.Array,
+    extend_lens: jax.Array,
+    out_cache_loc: jax.Array,
+    token_ids_lens: jax.Array | None,
+    *,
+    padding: str,
+    table_rows: int,
+    context_len: int,
+    num_slots: int,
+    token_ids_width: int | None,
+    interpret: bool = False,
+    config: Config | None = None,
+) -> reference.Checked:
+    """Same contract as ``reference.check``, in one launch (a batch needs at least one row and one token)."""
+    config = config or Config(
+        row_chunk=min(32, compat.next_power_of_2(req_pool_indices.shape[0])),
+        token_chunk=min(64, compat.next_power_of_2(out_cache_loc.shape[0])),
+    )
+    num_rows, num_tokens = req_pool_indices.shape[0], out_cache_loc.shape[0]
+    st = _Static(num_rows, num_tokens, padding, table_rows, context_len, num_slots, token_ids_width, config)
+    lens = () if token_ids_width is None else (token_ids_lens,)
+    num_columns = num_rows * (1 if token_ids_width is None else 2) + num_tokens
+    i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
+    active, span_lens, span_starts, token_rows, issues = compat.triton_call(
+        functools.partial(_kernel, st=st),
+        out_shape=(
+            i32(num_rows),
+            i32(num_rows),
+            i32(num_rows),
+            i32(num_tokens),
+            i32(len(phase_common.INPUT_ISSUE_FIELDS), num_columns),
+        ),
+        grid=(1 + pl.cdiv(num_tokens, config.token_chunk),),
+        name="kvcanary_batch_checks",
+        num_warps=config.num_warps,
+        num_stages=1,
+        interpret=interpret,
+    )(req_pool_indices, prefix_lens, extend_lens, out_cache_loc, *lens)
+    return reference.Checked(active, span_lens, span_starts, token_rows, issues)
