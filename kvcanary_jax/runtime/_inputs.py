@@ -83,7 +83,8 @@ class Rows:
 
     Attributes:
       active: i32[bs] 1 for the rows that are requests (the launches verify and write them), else 0.
-      span_lens: i32[bs] token entries each row owns (>= 0), active or not: the token layout stays as given.
+      span_lens: i32[bs] token entries each row owns (>= 0), active or not: the token layout stays as given
+        (counted at most T + 1 long, so their sums stay in int32).
       span_starts: i32[bs] each row's first token entry.
       token_rows: i32[T] batch row owning each token entry; -1 past every span.
       full_issues: i32[8, n] the FULL group's ``INVALID_INPUT`` candidates (rows ``INPUT_ISSUE_FIELDS``): one per

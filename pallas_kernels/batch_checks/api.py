@@ -57,6 +57,11 @@ def check(
     if num_rows < 1:
         raise ValueError(f"the batch needs at least one row; got req_pool_indices.shape={(num_rows,)}")
     checks.array("out_cache_loc", out_cache_loc, dtype=jnp.int32, ndim=1)
+    if num_rows * (out_cache_loc.shape[0] + 1) >= _INT32_LIMIT:  # the spans' sums (reference.span_lens) in int32
+        raise ValueError(
+            "the batch is too large for int32 span sums: req_pool_indices.shape[0] * (out_cache_loc.shape[0] + 1) "
+            f"must be < 2**31; got {num_rows} * ({out_cache_loc.shape[0]} + 1)"
+        )
     if padding not in PADDINGS:
         raise ValueError(f"padding must be one of {PADDINGS}; got {padding=!r}")
     table_rows = checks.positive_int("table_rows", table_rows)

@@ -33,6 +33,12 @@ class Config:
     token_chunk: int = 64
     num_warps: int = 4
 
+    def __post_init__(self):
+        for name in ("row_chunk", "token_chunk"):
+            n = getattr(self, name)
+            if n < 1 or n & (n - 1):  # Triton's tensors are powers of 2
+                raise ValueError(f"Config.{name} must be a power of 2; got {name}={n}")
+
 
 @dataclasses.dataclass(frozen=True)
 class _Static:
@@ -76,7 +82,7 @@ def _row_chunk(refs, c, carry, st: _Static) -> tuple[_Rows, tuple]:
     j = c * st.config.row_chunk + _arange(st.config.row_chunk)
     valid = j < st.num_rows
     rpi, cached, extend = (_load(ref, j, valid) for ref in (rpi_ref, cached_ref, extend_ref))
-    span = jnp.where(valid, jnp.maximum(extend, 0), 0)
+    span = jnp.where(valid, reference.span_lens(extend, st.num_tokens), 0)
     end = span_before + jnp.cumsum(span, dtype=jnp.int32)
     padding_row = reference.padding_rows(rpi, st.padding)
     bad = (valid & reference.bad_span(padding_row, extend, end, st.num_tokens)).astype(jnp.int32)
@@ -90,6 +96,7 @@ def _row_issue(rows: _Rows, reserved_in_use, st: _Static):
         rows.rpi,
         rows.cached,
         rows.extend,
+        rows.start,
         rows.end,
         rows.padding_row,
         rows.after_bad_span,
@@ -110,7 +117,7 @@ def _store_columns(issues_ref, column, mask, fields: tuple) -> None:
 def _writes_real_slot(loc_ref, rows: _Rows, st: _Static) -> jax.Array:
     """bool[row_chunk]: a token of the row (within the token arrays) writes a slot past the padding slot."""
     chunk = st.config.token_chunk
-    lo = jnp.min(rows.start)  # lane 0's: the starts never decrease
+    lo = jnp.min(rows.start)  # lane 0's: the starts never decrease (reference.span_lens), from 0
     hi = jnp.minimum(jnp.max(rows.end), st.num_tokens)
 
     def body(k, hits):

@@ -23,6 +23,7 @@ from pallas_kernels import layout, prefix
 from pallas_kernels.phase import common as phase_common
 
 PADDINGS = ("negative", "reserved", "none")
+_INT32_MAX = 2**31 - 1
 
 
 class Checked(NamedTuple):
@@ -30,7 +31,8 @@ class Checked(NamedTuple):
 
     Attributes:
       active: i32[R] 1 for the rows that are requests (the launches verify and write them), else 0.
-      span_lens: i32[R] token entries each row owns (>= 0), request or not: the token layout stays as given.
+      span_lens: i32[R] token entries each row owns (>= 0), request or not: the token layout stays as given. A span
+        is counted at most ``T + 1`` long (:func:`span_lens`), so the spans' sums stay within int32.
       span_starts: i32[R] each row's first token entry.
       token_rows: i32[T] the row owning each token entry; -1 past every span.
       issues: i32[8, n] one candidate per column (rows ``phase.common.INPUT_ISSUE_FIELDS``; problem 0: none): each
@@ -54,6 +56,13 @@ def padding_rows(rpi: jax.Array, padding: str) -> jax.Array:
     return jnp.zeros(rpi.shape, bool)
 
 
+def span_lens(extend: jax.Array, num_tokens: int) -> jax.Array:
+    """The token entries each row owns: ``extend_lens``, 0 where negative, and at most ``T + 1``. A span past the
+    token arrays is bad (or padding) whatever its length, and every row after it ends past them too; counted at
+    ``T + 1``, the ends never decrease and their sum never overflows (``api`` checks ``R * (T + 1) < 2**31``)."""
+    return jnp.minimum(jnp.maximum(extend, 0), num_tokens + 1)
+
+
 def bad_span(padding_row: jax.Array, extend: jax.Array, span_end: jax.Array, num_tokens: int) -> jax.Array:
     """bool: a request row whose token span cannot be located: a negative length, or an end past the tokens."""
     return ~padding_row & ((extend < 0) | (span_end > num_tokens))
@@ -63,6 +72,7 @@ def row_issue(
     rpi: jax.Array,
     cached: jax.Array,
     extend: jax.Array,
+    span_start: jax.Array,
     span_end: jax.Array,
     padding_row: jax.Array,
     after_bad_span: jax.Array,
@@ -77,17 +87,21 @@ def row_issue(
 
     ``after_bad_span``: a row before it has a :func:`bad_span`. ``reserved_in_use``: a padding row of the
     ``"reserved"`` convention that holds a request (it only ever names a padding row, so ``active`` does not
-    depend on it).
+    depend on it). The sums named (``prefix_lens + extend_lens``, a span's end) saturate at 2**31 - 1 rather than
+    wrap, and are compared without overflow: a value near the int32 limit is reported, not wrapped past its check.
     """
     lower = 1 if padding == "reserved" else 0
     request = ~padding_row
+    past_context = cached > context_len - extend  # cached + extend > context_len, for extend >= 0 (else NEGATIVE)
+    context_end = cached + jnp.minimum(extend, _INT32_MAX - cached)
+    span_end_named = span_start + jnp.minimum(jnp.maximum(extend, 0), _INT32_MAX - span_start)
     checks = [  # (where bad, problem, field, value, limit); the first bad one names the row
         (reserved_in_use, layout.INPUT_PROBLEM_RESERVED_ROW, layout.INPUT_FIELD_REQ_POOL_INDICES, rpi, -1),
         (request & ((rpi < lower) | (rpi >= table_rows)), layout.INPUT_PROBLEM_OUT_OF_RANGE, layout.INPUT_FIELD_REQ_POOL_INDICES, rpi, table_rows),
         (request & (cached < 0), layout.INPUT_PROBLEM_NEGATIVE, layout.INPUT_FIELD_PREFIX_LENS, cached, -1),
         (request & (extend < 0), layout.INPUT_PROBLEM_NEGATIVE, layout.INPUT_FIELD_EXTEND_LENS, extend, -1),
-        (request & (cached + extend > context_len), layout.INPUT_PROBLEM_PAST_CONTEXT, layout.INPUT_FIELD_EXTEND_LENS, cached + extend, context_len),
-        (request & (span_end > num_tokens) & ~after_bad_span, layout.INPUT_PROBLEM_PAST_TOKENS, layout.INPUT_FIELD_EXTEND_LENS, span_end, num_tokens),
+        (request & past_context, layout.INPUT_PROBLEM_PAST_CONTEXT, layout.INPUT_FIELD_EXTEND_LENS, context_end, context_len),
+        (request & (span_end > num_tokens) & ~after_bad_span, layout.INPUT_PROBLEM_PAST_TOKENS, layout.INPUT_FIELD_EXTEND_LENS, span_end_named, num_tokens),
     ]  # fmt: skip
     zero = jnp.zeros(rpi.shape, jnp.int32)
     problem, field, value, limit = zero, zero, zero, zero
@@ -141,9 +155,9 @@ def check(
     rpi, cached, extend, loc = req_pool_indices, prefix_lens, extend_lens, out_cache_loc
     num_rows, num_tokens = rpi.shape[0], loc.shape[0]
     r = jnp.arange(num_rows, dtype=jnp.int32)
-    span_lens = jnp.maximum(extend, 0)
-    span_ends = prefix.inclusive_sum(span_lens)
-    span_starts = span_ends - span_lens
+    spans = span_lens(extend, num_tokens)
+    span_ends = prefix.inclusive_sum(spans)
+    span_starts = span_ends - spans
     token_rows = _token_rows(span_ends, num_tokens)
     padding_row = padding_rows(rpi, padding)
     bad = bad_span(padding_row, extend, span_ends, num_tokens)
@@ -158,6 +172,7 @@ def check(
         rpi,
         cached,
         extend,
+        span_starts,
         span_ends,
         padding_row,
         after_bad,
@@ -193,7 +208,7 @@ def check(
     )
     return Checked(
         active=active.astype(jnp.int32),
-        span_lens=span_lens,
+        span_lens=spans,
         span_starts=span_starts,
         token_rows=token_rows,
         issues=jnp.concatenate(columns, axis=1),

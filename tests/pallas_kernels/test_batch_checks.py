@@ -1,6 +1,7 @@
 """The batch checks: hand-computed golden candidates, and the Triton kernel (interpret mode) equal to the jnp
 reference on random batches, every padding convention, with and without the token-history check."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -65,6 +66,33 @@ def test_golden_reserved_row_and_past_tokens(backend):
     }
 
 
+M = 2**31 - 1
+
+
+@pytest.mark.parametrize("backend", ["xla", "interpret"])
+def test_sums_near_the_int32_limit_are_reported_not_wrapped(backend):
+    """Padding rows' spans of 2**31 - 1 (their sum would wrap to a small end): the request after them is past the
+    4 tokens. A prefix at the int32 limit plus one more token is past the context, not a wrapped negative sum."""
+    checked = _check(
+        [-1, -1, 3, 4], [0, 0, 0, M], [M, M, 2, 1], [5, 6, 7, 1],
+        backend=backend, padding="negative", table_rows=10, context_len=16, num_slots=8,
+    )  # fmt: skip
+    np.testing.assert_array_equal(checked.active, [0, 0, 0, 0])
+    np.testing.assert_array_equal(checked.span_lens, [5, 5, 2, 1])  # counted at most T + 1 = 5
+    np.testing.assert_array_equal(checked.token_rows, [0, 0, 0, 0])
+    assert _flagged(checked) == {
+        2: [layout.INPUT_PROBLEM_PAST_TOKENS, layout.INPUT_FIELD_EXTEND_LENS, 12, 4, -1, -1, 2, -1],
+        3: [layout.INPUT_PROBLEM_PAST_CONTEXT, layout.INPUT_FIELD_EXTEND_LENS, M, 16, -1, -1, 3, -1],
+    }
+    reserved = _check(
+        [0, 0, 0], [0, 0, 0], [M, M, 4], [5, 6, 7, 1],
+        backend=backend, padding="reserved", table_rows=10, context_len=16, num_slots=8,
+    )  # fmt: skip
+    assert _flagged(reserved) == {  # only row 0 owns tokens (all 4), and they write real slots
+        0: [layout.INPUT_PROBLEM_RESERVED_ROW, layout.INPUT_FIELD_REQ_POOL_INDICES, 0, -1, -1, -1, 0, -1]
+    }
+
+
 @st.composite
 def _batches(draw):
     """Mostly valid rows (so many are requests and own tokens), with some of every kind of bad value."""
@@ -119,6 +147,7 @@ def test_no_tokens():
     ],
 )
 def test_misuse_is_named(change, error, match):
+    """Each refusal names the argument and the value received."""
     args = dict(rpi=[1, 2], cached=[0, 0], extend=[1, 1], loc=[3, 4], lens=None)
     static = dict(padding="none", table_rows=4, context_len=4, num_slots=8, backend="xla")
     for key, value in change.items():
@@ -130,3 +159,15 @@ def test_misuse_is_named(change, error, match):
     lens = None if args["lens"] is None else jnp.asarray(args["lens"], jnp.int32)
     with pytest.raises(error, match=match):
         api.check(*arrays, lens, **static)
+
+
+def test_span_sums_must_fit_int32():
+    rows, loc = jax.ShapeDtypeStruct((2,), jnp.int32), jax.ShapeDtypeStruct((2**30,), jnp.int32)  # shapes only
+    static = dict(padding="none", table_rows=4, context_len=4, num_slots=8)
+    with pytest.raises(ValueError, match=r"too large for int32 span sums.*got 2 \* \(1073741824 \+ 1\)"):
+        jax.eval_shape(lambda r, t: api.check(r, r, r, t, **static), rows, loc)
+
+
+def test_config_chunks_are_powers_of_2():
+    with pytest.raises(ValueError, match="Config.row_chunk must be a power of 2; got row_chunk=3"):
+        pallas_triton.Config(row_chunk=3)
