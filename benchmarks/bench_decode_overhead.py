@@ -9,8 +9,9 @@ all variants alike. Overhead is the median over ``--repeats`` rounds of (on / of
 the user's view, one jit with the KV cache and canary state donated: ``canary.before_forward`` (HEAD plans, verify,
 write), the model forward over the paged cache between two ``kvcanary_jax.fence`` barriers (``--no-fence`` drops
 them), ``canary.after_forward`` (TAIL verify and write with the layer-0 K/V real-KV fold). Results stream to
-``<out>/decode_overhead.jsonl``; the table is printed at the end and ``<out>/overhead.png`` plots overhead against
-batch and context.
+``<out>/decode_overhead.jsonl`` (the card and versions to ``<out>/header.json``); the table is printed at the end and
+``<out>/overhead.png`` plots overhead against batch and context. ``--merge DIR...`` runs nothing: it writes one table
+and plot from earlier runs' ``--out`` folders (one device time limit per call often splits the points over calls).
 
 Every canary point also runs the canary alone (HEAD then TAIL in one jit, no forward): its wall time per step, and,
 from a ``jax.profiler`` trace of ``--profile-steps`` steps, its device kernels per step and their device time
@@ -532,6 +533,23 @@ def plot(results, path):
     fig.savefig(path, dpi=120)
 
 
+def merged_runs(run_dirs: list[str]) -> tuple[list[dict], dict]:
+    """The results of earlier runs (their ``--out`` folders), in order, and their common header.
+
+    Refuses runs from different cards or jax versions: their overheads do not compare.
+    """
+    results, headers = [], []
+    for run_dir in run_dirs:
+        with open(os.path.join(run_dir, "header.json")) as f:
+            headers.append(json.load(f))
+        with open(os.path.join(run_dir, "decode_overhead.jsonl")) as f:
+            results += [json.loads(line) for line in f if line.strip()]
+    setups = {(h["device"], h["jax"]) for h in headers}
+    if len(setups) != 1:
+        raise ValueError(f"--merge: the runs {run_dirs} come from different cards or jax versions {sorted(setups)}")
+    return results, headers[0]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tiny", action="store_true", help="tiny model on CPU (interpret-mode attention)")
@@ -543,7 +561,13 @@ def main() -> None:
     parser.add_argument("--only", type=int, nargs="*", help="indices into the point list")
     parser.add_argument("--no-fence", action="store_true", help="no kvcanary_jax.fence around the forward")
     parser.add_argument("--detail", action="store_true", help="copy check on every canary point")
+    parser.add_argument("--merge", nargs="+", metavar="RUN_DIR", help="run nothing: one table and plot of earlier runs")
     args = parser.parse_args()
+    if args.merge:
+        os.makedirs(args.out, exist_ok=True)
+        results, header = merged_runs(args.merge)
+        print(write_outputs(results, args.out, header))
+        return
     if args.tiny:
         args.steps, args.prefill_steps, args.repeats = min(args.steps, 3), 2, 1
     os.makedirs(args.out, exist_ok=True)
@@ -563,6 +587,8 @@ def main() -> None:
         model="tiny" if args.tiny else "Llama-3-8B shape, bf16",
     )
     print(f"# {header}", flush=True)
+    with open(os.path.join(args.out, "header.json"), "w") as f:
+        json.dump(header, f)
     params = lm.init_params(shape, jax.random.key(0))
     pool = Pool(shape, max_tokens // PAGE_SIZE + 1, seed=2)
     results = []
