@@ -162,12 +162,16 @@ def group_issues(batch, rows: batch_checks.Checked, *, window: int, num_slots: i
     The FULL group's (``window == 0``) are the op's (``rows.issues``): each row's, then each request's
     ``token_ids_lens`` when the verify-token assert is on, then each token's ``out_cache_loc`` against
     ``[1, num_slots)``. The SWA group checks what ``full_to_swa_index_mapping`` makes of the slots the FULL group
-    accepted, against its own ``num_slots``.
+    accepted, against its own ``num_slots``; its tokens' positions and requests are the op's
+    (``token_position_and_request``).
     """
     if not window:
         return rows.issues
     t = jnp.arange(batch.out_cache_loc.shape[0], dtype=jnp.int32)
     row_of = jnp.maximum(rows.token_rows, 0)
+    position, request = batch_checks_reference.token_position_and_request(
+        t, batch.prefix_lens[row_of], rows.span_starts[row_of], batch.req_pool_indices[row_of], _live_tokens(rows)
+    )
     full_loc = request_slots(batch, rows, full_num_slots=full_num_slots)  # the FULL group reports the others
     problem, swa_loc = phase_common.slot_issue(
         full_loc,
@@ -181,9 +185,9 @@ def group_issues(batch, rows: batch_checks.Checked, *, window: int, num_slots: i
         swa_loc,
         limit=num_slots,
         slot=full_loc,
-        position=batch.prefix_lens[row_of] + t - rows.span_starts[row_of],
+        position=position,
         entry=t,
-        request=jnp.where(_live_tokens(rows), batch.req_pool_indices[row_of], -1),
+        request=request,
     ).stacked()
 
 
