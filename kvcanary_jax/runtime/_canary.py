@@ -34,6 +34,7 @@ from kvcanary_jax.core._state import CanaryDeviceState, allocate_canary_buffer
 from kvcanary_jax.runtime import _inputs, _pool, _sweep
 from kvcanary_jax.runtime._batch import CanaryBatch, CanaryState
 from pallas_kernels import checks, mesh, realkv
+from pallas_kernels.batch_checks import api as batch_checks
 from pallas_kernels.phase import api as phase_api
 from pallas_kernels.phase import common as phase_common
 
@@ -309,7 +310,7 @@ class KvCanary:
         self,
         state: CanaryState,
         batch: CanaryBatch,
-        rows: _inputs.Rows,
+        rows: batch_checks.Checked,
         g: _pool.Group,
         phase: Phase,
         sources: _pool.KvSources,
@@ -440,7 +441,7 @@ class KvCanary:
             overflows = phase_common.count_overflow(overflows, checked.verify_plan.enable == 0)
         return dataclasses.replace(state, device=device, verify_overflows=overflows, **{g.name: buffers})
 
-    def _rows(self, state: CanaryState, batch: CanaryBatch) -> _inputs.Rows:
+    def _rows(self, state: CanaryState, batch: CanaryBatch) -> batch_checks.Checked:
         token_pool = state.device.req_to_verify_expected_tokens
         return _inputs.check_rows(
             batch,
@@ -452,7 +453,9 @@ class KvCanary:
             backend=self.config.backend,
         )
 
-    def _group(self, state: CanaryState, batch: CanaryBatch, rows: _inputs.Rows, g: _pool.Group) -> _inputs.Group:
+    def _group(
+        self, state: CanaryState, batch: CanaryBatch, rows: batch_checks.Checked, g: _pool.Group
+    ) -> _inputs.Group:
         token_pool = state.device.req_to_verify_expected_tokens if self.config.enable_verify_token_assert else None
         return _inputs.check_group(
             batch,
@@ -488,7 +491,9 @@ class KvCanary:
         positions = batch.positions if batch.expected_positions is None else batch.expected_positions
         return batch.expected_input_ids, positions
 
-    def _update_expected_tokens(self, state: CanaryState, batch: CanaryBatch, rows: _inputs.Rows) -> CanaryState:
+    def _update_expected_tokens(
+        self, state: CanaryState, batch: CanaryBatch, rows: batch_checks.Checked
+    ) -> CanaryState:
         """Scatters the batched requests' token history into the expected-token pool (SGLang's snapshot scatter)."""
         if not self.config.enable_verify_token_assert:
             return state

@@ -77,28 +77,6 @@ class Issues:
         return self.problem != 0, build_rows
 
 
-@dataclasses.dataclass(frozen=True)
-class Rows:
-    """The batch rows' roles after their checks (the ``batch_checks`` op's :class:`Checked`, for this layer).
-
-    Attributes:
-      active: i32[bs] 1 for the rows that are requests (the launches verify and write them), else 0.
-      span_lens: i32[bs] token entries each row owns (>= 0), active or not: the token layout stays as given
-        (counted at most T + 1 long, so their sums stay in int32).
-      span_starts: i32[bs] each row's first token entry.
-      token_rows: i32[T] batch row owning each token entry; -1 past every span.
-      full_issues: i32[8, n] the FULL group's ``INVALID_INPUT`` candidates (rows ``INPUT_ISSUE_FIELDS``): one per
-        row (its first problem), per request's ``token_ids_lens`` when the verify-token check is on, then per
-        token's new slot.
-    """
-
-    active: jax.Array
-    span_lens: jax.Array
-    span_starts: jax.Array
-    token_rows: jax.Array
-    full_issues: jax.Array
-
-
 def check_rows(
     batch,
     *,
@@ -108,7 +86,7 @@ def check_rows(
     num_slots: int,
     token_ids_width: int | None,
     backend: str,
-) -> Rows:
+) -> batch_checks.Checked:
     """Checks each batch row (its request row, its lengths, its tokens' span) and each request token's new slot;
     says which rows are requests (``pallas_kernels.batch_checks``: one Triton launch on GPU, jnp elsewhere).
 
@@ -120,8 +98,13 @@ def check_rows(
       num_slots: the FULL pool's slots.
       token_ids_width: the expected-token pool's width when the verify-token assert is on, else None.
       backend: the canary's backend; the op has no Mosaic kernel, so on TPU it runs its jnp reference.
+
+    Returns:
+      The op's :class:`~pallas_kernels.batch_checks.reference.Checked`, which the runner carries through the step:
+      the rows' roles (``active``, ``span_lens``, ``span_starts``, ``token_rows``) and ``issues``, the FULL group's
+      ``INVALID_INPUT`` candidates.
     """
-    checked = batch_checks.check(
+    return batch_checks.check(
         batch.req_pool_indices,
         batch.prefix_lens,
         batch.extend_lens,
@@ -134,13 +117,6 @@ def check_rows(
         token_ids_width=token_ids_width,
         backend={"interpret_tpu": "xla", "pallas": "auto"}.get(backend, backend),
     )
-    return Rows(
-        active=checked.active,
-        span_lens=checked.span_lens,
-        span_starts=checked.span_starts,
-        token_rows=checked.token_rows,
-        full_issues=checked.issues,
-    )
 
 
 def token_history_lens(batch, token_pool: jax.Array) -> jax.Array:
@@ -150,7 +126,12 @@ def token_history_lens(batch, token_pool: jax.Array) -> jax.Array:
 
 
 def request_slots(
-    batch, rows: Rows, *, full_num_slots: int, lut: jax.Array | None = None, num_slots: int | None = None
+    batch,
+    rows: batch_checks.Checked,
+    *,
+    full_num_slots: int,
+    lut: jax.Array | None = None,
+    num_slots: int | None = None,
 ) -> jax.Array:
     """i32[T] each token's FULL-pool slot for the launches; -1 (skipped) for the tokens of rows that are not
     requests, and for every token of a request with a slot the checks reject (outside ``[1, full_num_slots)``, or,
@@ -169,23 +150,28 @@ def request_slots(
     return jnp.where(live & ~unwritten[row_of], loc, -1)
 
 
-def _live_tokens(rows: Rows) -> jax.Array:
+def _live_tokens(rows: batch_checks.Checked) -> jax.Array:
     """bool[T]: token entries owned by a row that is a request."""
     return (rows.token_rows >= 0) & (rows.active[jnp.maximum(rows.token_rows, 0)] != 0)
 
 
-def group_issues(batch, rows: Rows, *, window: int, num_slots: int, full_num_slots: int) -> jax.Array:
+def group_issues(batch, rows: batch_checks.Checked, *, window: int, num_slots: int, full_num_slots: int) -> jax.Array:
     """i32[8, n]: a group's ``INVALID_INPUT`` candidates of the rows and tokens, in ring order (rows
     ``INPUT_ISSUE_FIELDS``). (The cached positions' ``req_to_token`` values are the phase's: ``check_table``.)
 
-    The FULL group's (``window == 0``) are the rows' checks (:attr:`Rows.full_issues`): each row's, then each
-    token's ``out_cache_loc`` against ``[1, num_slots)``. The SWA group checks what ``full_to_swa_index_mapping``
-    makes of the slots the FULL group accepted, against its own ``num_slots``.
+    The FULL group's (``window == 0``) are the op's (``rows.issues``): each row's, then each request's
+    ``token_ids_lens`` when the verify-token assert is on, then each token's ``out_cache_loc`` against
+    ``[1, num_slots)``. The SWA group checks what ``full_to_swa_index_mapping`` makes of the slots the FULL group
+    accepted, against its own ``num_slots``; its tokens' positions and requests are the op's
+    (``token_position_and_request``).
     """
     if not window:
-        return rows.full_issues
+        return rows.issues
     t = jnp.arange(batch.out_cache_loc.shape[0], dtype=jnp.int32)
     row_of = jnp.maximum(rows.token_rows, 0)
+    position, request = batch_checks_reference.token_position_and_request(
+        t, batch.prefix_lens[row_of], rows.span_starts[row_of], batch.req_pool_indices[row_of], _live_tokens(rows)
+    )
     full_loc = request_slots(batch, rows, full_num_slots=full_num_slots)  # the FULL group reports the others
     problem, swa_loc = phase_common.slot_issue(
         full_loc,
@@ -199,9 +185,9 @@ def group_issues(batch, rows: Rows, *, window: int, num_slots: int, full_num_slo
         swa_loc,
         limit=num_slots,
         slot=full_loc,
-        position=batch.prefix_lens[row_of] + t - rows.span_starts[row_of],
+        position=position,
         entry=t,
-        request=jnp.where(_live_tokens(rows), batch.req_pool_indices[row_of], -1),
+        request=request,
     ).stacked()
 
 
@@ -227,7 +213,7 @@ class Group:
 
 def check_group(
     batch,
-    rows: Rows,
+    rows: batch_checks.Checked,
     *,
     window: int,
     num_slots: int,

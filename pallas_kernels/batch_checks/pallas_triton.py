@@ -188,15 +188,16 @@ def _check_tokens(refs, loc_ref, outs, k, st: _Static) -> None:
     start = jnp.where(owned, start, 0)
     live = owned & (active != 0)
     loc = _load(loc_ref, t, valid, other=-1)
+    position, request = reference.token_position_and_request(t, cached, start, rpi, live)
     fields = reference.issue_fields(
         reference.token_issue(loc, live, st.num_slots),
         layout.INPUT_FIELD_OUT_CACHE_LOC,
         loc,
         limit=st.num_slots,
         slot=loc,
-        position=cached + t - start,
+        position=position,
         entry=t,
-        request=jnp.where(live, rpi, -1),
+        request=request,
     )
     first = st.num_rows * (1 if st.token_ids_width is None else 2)
     _store_columns(issues_ref, first + t, valid, fields)

@@ -9,7 +9,8 @@ negative length, or past the token arrays) are not requests either, and only tha
 a violation.
 
 The element-wise pieces (:func:`padding_rows`, :func:`bad_span`, :func:`row_issue`, :func:`lens_issue`,
-:func:`token_issue`) are written once here and traced by the kernel too.
+:func:`token_issue`, :func:`token_position_and_request`, :func:`issue_fields`) are written once here and traced by
+the kernel too.
 """
 
 from __future__ import annotations
@@ -124,6 +125,16 @@ def token_issue(loc: jax.Array, live: jax.Array, num_slots: int) -> jax.Array:
     return jnp.where(live & (loc >= 0), problem, 0)
 
 
+def token_position_and_request(
+    t: jax.Array, cached: jax.Array, span_start: jax.Array, rpi: jax.Array, live: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+    """(position, request): the context of token entries ``t``'s candidates, from their row's ``prefix_lens``,
+    first token entry and ``req_pool_indices`` (one per token) and whether a request owns them (``live``): the
+    request position each token writes, and its request row (-1 where no request owns it). Public so that a
+    caller's own per-token candidates name the same context."""
+    return cached + t - span_start, jnp.where(live, rpi, -1)
+
+
 def issue_fields(problem, field, value, *, limit=-1, slot=-1, position=-1, entry=-1, request=-1) -> tuple:
     """The eight i32 fields of ``problem``'s candidates, each broadcast to its shape, in ``INPUT_ISSUE_FIELDS``
     order (the rows of :attr:`Checked.issues`)."""
@@ -194,6 +205,7 @@ def check(
     row_of = jnp.maximum(token_rows, 0)
     live = (token_rows >= 0) & active[row_of]
     t = jnp.arange(num_tokens, dtype=jnp.int32)
+    position, request = token_position_and_request(t, cached[row_of], span_starts[row_of], rpi[row_of], live)
     columns.append(
         _columns(
             token_issue(loc, live, num_slots),
@@ -201,9 +213,9 @@ def check(
             loc,
             limit=num_slots,
             slot=loc,
-            position=cached[row_of] + t - span_starts[row_of],
+            position=position,
             entry=t,
-            request=jnp.where(live, rpi[row_of], -1),
+            request=request,
         )
     )
     return Checked(
