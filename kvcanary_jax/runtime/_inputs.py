@@ -140,7 +140,7 @@ def request_slots(
     A request with a bad new slot is not written at all: skipping only that token would leave a gap in its chain,
     which the chain-position assert would report on the token after it (rows for a value already reported).
     """
-    loc, live = batch.out_cache_loc, _live_tokens(rows)
+    loc, live = batch.out_cache_loc, batch_checks_reference.live_tokens(rows.token_rows, rows.active)
     group_slots = full_num_slots if lut is None else num_slots
     rejected = phase_common.slot_rejected(
         loc, *phase_common.lut_reader(lut), full_slots=full_num_slots, group_slots=group_slots
@@ -148,11 +148,6 @@ def request_slots(
     row_of = jnp.maximum(rows.token_rows, 0)
     unwritten = batch_checks_reference.segment_any(live & rejected, rows.token_rows, rows.active.shape[0])
     return jnp.where(live & ~unwritten[row_of], loc, -1)
-
-
-def _live_tokens(rows: batch_checks.Checked) -> jax.Array:
-    """bool[T]: token entries owned by a row that is a request."""
-    return (rows.token_rows >= 0) & (rows.active[jnp.maximum(rows.token_rows, 0)] != 0)
 
 
 def group_issues(batch, rows: batch_checks.Checked, *, window: int, num_slots: int, full_num_slots: int) -> jax.Array:
@@ -170,7 +165,11 @@ def group_issues(batch, rows: batch_checks.Checked, *, window: int, num_slots: i
     t = jnp.arange(batch.out_cache_loc.shape[0], dtype=jnp.int32)
     row_of = jnp.maximum(rows.token_rows, 0)
     position, request = batch_checks_reference.token_position_and_request(
-        t, batch.prefix_lens[row_of], rows.span_starts[row_of], batch.req_pool_indices[row_of], _live_tokens(rows)
+        t,
+        batch.prefix_lens[row_of],
+        rows.span_starts[row_of],
+        batch.req_pool_indices[row_of],
+        batch_checks_reference.live_tokens(rows.token_rows, rows.active),
     )
     full_loc = request_slots(batch, rows, full_num_slots=full_num_slots)  # the FULL group reports the others
     problem, swa_loc = phase_common.slot_issue(

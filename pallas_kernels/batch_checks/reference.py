@@ -203,7 +203,7 @@ def check(
             )
         )
     row_of = jnp.maximum(token_rows, 0)
-    live = (token_rows >= 0) & active[row_of]
+    live = live_tokens(token_rows, active)
     t = jnp.arange(num_tokens, dtype=jnp.int32)
     position, request = token_position_and_request(t, cached[row_of], span_starts[row_of], rpi[row_of], live)
     columns.append(
@@ -225,6 +225,11 @@ def check(
         token_rows=token_rows,
         issues=jnp.concatenate(columns, axis=1),
     )
+
+
+def live_tokens(token_rows: jax.Array, active: jax.Array) -> jax.Array:
+    """bool[T]: the token entries owned by a row that is a request (``active``, bool or i32, nonzero)."""
+    return (token_rows >= 0) & (active[jnp.maximum(token_rows, 0)] != 0)
 
 
 def _token_rows(span_ends: jax.Array, num_tokens: int) -> jax.Array:
