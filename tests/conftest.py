@@ -1,7 +1,11 @@
-"""Shared pytest set-up: the package's own pytest plugin (the ``kvcanary_guard`` fixture) for every test, and a
-clean compile cache per test module."""
+"""Shared pytest set-up: the package's own pytest plugin (the ``kvcanary_guard`` fixture) for every test, jax's
+persistent compilation cache for the run, and compiled executables freed before the process runs out of memory maps.
+"""
 
 import gc
+import os
+import shutil
+import tempfile
 
 import chex
 import jax
@@ -9,17 +13,65 @@ import pytest
 
 pytest_plugins = ["kvcanary_jax.testing.pytest_plugin"]
 
+_CACHE_ENV = "JAX_COMPILATION_CACHE_DIR"
+_IN_RUN_ENV = "KVCANARY_TEST_RUN"  # set in a run's processes, so a pytest that a test starts knows it is nested
+_MAX_WORKERS = 4  # each worker holds its own compiled steps (2-3 GB late in a run)
+# Past this share of ``vm.max_map_count`` a module's end frees every compiled executable.
+_MAX_MAP_SHARE = 0.5
+_made_cache_dir: list[str] = []  # the folder this process made (the xdist controller, or a run without xdist)
+
+
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
+    """``-n auto`` (pyproject's addopts): a worker per core, at most four; one process on one core, and in a pytest
+    run that a test started (the sharded tests' subprocesses run beside this run's workers)."""
+    if os.environ.get(_IN_RUN_ENV):
+        return 0
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return min(cores, _MAX_WORKERS) if cores > 1 else 0
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Compiles each program once per run: jax's persistent cache in a fresh folder, shared by the xdist workers and by
+    the subprocesses tests start (they inherit the environment).
+
+    The suite compiles the same programs in many modules (shared fixed shapes, fresh ``jax.jit`` wrappers of one
+    function, a module's caches freed below); the cache turns each repeat into a load. A folder the user set keeps
+    being used, and kept.
+    """
+    os.environ[_IN_RUN_ENV] = "1"
+    if not os.environ.get(_CACHE_ENV):
+        os.environ[_CACHE_ENV] = tempfile.mkdtemp(prefix="kvcanary-jax-cache-")
+        _made_cache_dir.append(os.environ[_CACHE_ENV])
+    jax.config.update("jax_compilation_cache_dir", os.environ[_CACHE_ENV])
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    for path in _made_cache_dir:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def _map_share() -> float:
+    """This process's memory maps as a share of ``vm.max_map_count`` (0 where /proc does not tell)."""
+    try:
+        with open("/proc/sys/vm/max_map_count") as limit, open("/proc/self/maps") as maps:
+            return sum(1 for _ in maps) / int(limit.read())
+    except (OSError, ValueError):
+        return 0.0
+
 
 @pytest.fixture(autouse=True, scope="module")
-def _fresh_compile_cache_per_module():
-    """Frees each module's compiled executables when it ends.
+def _free_compiled_executables_when_maps_run_short():
+    """Frees every compiled executable at a module's end once the process holds half its memory-map limit.
 
     XLA:CPU maps every compiled kernel's code into the process (about three memory maps each) and keeps them while
     the executable is cached. A whole run compiles thousands, and past the kernel's ``vm.max_map_count`` (65530 by
-    default) the next compile segfaults: the sglang-jax CI leg did, late in the run. chex's trace counters restart
-    with the caches: a shared jitted step traces once more in the next module, and only that once.
+    default) the next compile segfaults: the sglang-jax CI leg did, late in the run. Freeing only then keeps the
+    steps that later modules share compiled. chex's trace counters restart with the caches: a shared jitted step
+    traces once more after a free, and only that once.
     """
     yield
-    jax.clear_caches()
-    chex.clear_trace_counter()
-    gc.collect()
+    if _map_share() > _MAX_MAP_SHARE:
+        jax.clear_caches()
+        chex.clear_trace_counter()
+        gc.collect()

@@ -97,6 +97,7 @@ def test_tiny_full_pool_soak_300_steps_is_clean():
 LONG_SOAK_SEEDS, LONG_SOAK_STEPS = (11, 12, 13), 3000
 
 
+@pytest.mark.soak
 @pytest.mark.parametrize("seed", LONG_SOAK_SEEDS)
 def test_long_soak_is_clean(seed):
     """9,000 jitted steps over three seeds of the tiny workload (with the suite's other runs, over 10^4): every
