@@ -16,11 +16,13 @@ pytest_plugins = ["kvcanary_jax.testing.pytest_plugin"]
 _CACHE_ENV = "JAX_COMPILATION_CACHE_DIR"
 _IN_RUN_ENV = "KVCANARY_TEST_RUN"  # set in a run's processes, so a pytest that a test starts knows it is nested
 _MAX_WORKERS = 4  # each worker holds its own compiled steps (2-3 GB late in a run)
-# Past this share of ``vm.max_map_count`` a module's end frees every compiled executable.
+# Past this share of ``vm.max_map_count``, or this many resident bytes, a module's end frees every compiled executable.
 _MAX_MAP_SHARE = 0.5
+_MAX_RESIDENT = 4 << 30
 _made_cache_dir: list[str] = []  # the folder this process made (the xdist controller, or a run without xdist)
 
 
+@pytest.hookimpl(optionalhook=True)
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
     """``-n auto`` (pyproject's addopts): a worker per core, at most four; one process on one core, and in a pytest
     run that a test started (the sharded tests' subprocesses run beside this run's workers)."""
@@ -51,27 +53,32 @@ def pytest_unconfigure(config: pytest.Config) -> None:
         shutil.rmtree(path, ignore_errors=True)
 
 
-def _map_share() -> float:
-    """This process's memory maps as a share of ``vm.max_map_count`` (0 where /proc does not tell)."""
+def _near_limits() -> bool:
+    """Whether this process holds over half its memory-map limit or over ``_MAX_RESIDENT`` bytes; True where /proc does
+    not tell (every module end then frees, as before)."""
     try:
         with open("/proc/sys/vm/max_map_count") as limit, open("/proc/self/maps") as maps:
-            return sum(1 for _ in maps) / int(limit.read())
+            map_share = sum(1 for _ in maps) / int(limit.read())
+        with open("/proc/self/statm") as statm:
+            resident = int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except (OSError, ValueError):
-        return 0.0
+        return True
+    return map_share > _MAX_MAP_SHARE or resident > _MAX_RESIDENT
 
 
 @pytest.fixture(autouse=True, scope="module")
-def _free_compiled_executables_when_maps_run_short():
-    """Frees every compiled executable at a module's end once the process holds half its memory-map limit.
+def _free_compiled_executables_near_limits():
+    """Frees every compiled executable at a module's end once the process nears its memory-map or memory limit.
 
     XLA:CPU maps every compiled kernel's code into the process (about three memory maps each) and keeps them while
     the executable is cached. A whole run compiles thousands, and past the kernel's ``vm.max_map_count`` (65530 by
     default) the next compile segfaults: the sglang-jax CI leg did, late in the run. Freeing only then keeps the
-    steps that later modules share compiled. chex's trace counters restart with the caches: a shared jitted step
-    traces once more after a free, and only that once.
+    steps that later modules share compiled (freeing at every module's end made the suite recompile them, about a
+    sixth of its CPU time). chex's trace counters restart with the caches: a shared jitted step traces once more
+    after a free, and only that once.
     """
     yield
-    if _map_share() > _MAX_MAP_SHARE:
+    if _near_limits():
         jax.clear_caches()
         chex.clear_trace_counter()
         gc.collect()
