@@ -1,6 +1,6 @@
 """One process of the multi-controller scenario that ``test_multiprocess.py`` launches P times.
 
-``python multiprocess_scenario.py PROCESS_ID NUM_PROCESSES COORDINATOR_PORT`` joins ``jax.distributed`` (2 CPU devices
+``python multiprocess_scenario.py PROCESS_ID NUM_PROCESSES COORDINATOR`` joins ``jax.distributed`` (2 CPU devices
 per process, set by the launcher), builds a ``(dp, tp=2)`` mesh whose TP peers live in different processes, and runs
 four short loops over the sharded test step, each with its own :class:`ShardedCanaryMonitor`:
 
@@ -37,9 +37,9 @@ def _observed(monitor) -> list[dict]:
     ]  # fmt: skip
 
 
-def main(process_id: int, num_processes: int, port: int) -> dict:
+def main(process_id: int, num_processes: int, coordinator: str) -> dict:
     started = time.perf_counter()
-    jax.distributed.initialize(f"localhost:{port}", num_processes=num_processes, process_id=process_id)
+    jax.distributed.initialize(coordinator, num_processes=num_processes, process_id=process_id)
     import jax.numpy as jnp
 
     import kvcanary_jax as kc
@@ -116,12 +116,13 @@ def main(process_id: int, num_processes: int, port: int) -> dict:
         steps(run, mon, 8)
         out["raise"] = None
     except kc.KvCanaryViolationError as e:
-        out["raise"] = {"step": mon.step, "text": str(e), "devices": [list(c) for c in e.report.devices_with_violations]}
+        devices = [list(c) for c in e.report.devices_with_violations]
+        out["raise"] = {"step": mon.step, "text": str(e), "devices": devices}
     out["wall_s"], out["cpu_s"] = round(time.perf_counter() - started, 1), round(time.process_time(), 1)
     return out
 
 
 if __name__ == "__main__":
-    result = main(*map(int, sys.argv[1:4]))
+    result = main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3])
     print(json.dumps(result), flush=True)  # the last line of stdout
     jax.distributed.shutdown()

@@ -9,43 +9,31 @@ process and its host. A process that hangs fails the test at the timeout; the ot
 import json
 import os
 import pathlib
-import socket
-import subprocess
 import sys
 
 import pytest
+
+from kvcanary_jax.demo import multiprocess
 
 HERE = pathlib.Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 TIMEOUT_S = 300
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        return s.getsockname()[1]
-
-
-def launch(processes: int, devices: int = 2) -> list[dict]:
-    """Runs the scenario in ``processes`` processes of ``devices`` CPU devices; returns each one's JSON, by process."""
-    flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={devices}".strip()
+def launch(processes: int) -> list[dict]:
+    """Runs the scenario in ``processes`` processes of 2 CPU devices; returns each one's JSON, by process id."""
     path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
-    env = {**os.environ, "XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu", "PYTHONPATH": path}
-    port = str(_free_port())
-    procs = [
-        subprocess.Popen([sys.executable, str(HERE / "multiprocess_scenario.py"), str(i), str(processes), port],
-                         env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
-        for i in range(processes)
-    ]
+    script = str(HERE / "multiprocess_scenario.py")
     try:
-        outputs = [p.communicate(timeout=TIMEOUT_S) for p in procs]
-    except subprocess.TimeoutExpired:
-        for p in procs:
-            p.kill()
-        pytest.fail(f"a process of the {processes}-process scenario hung (no exit within {TIMEOUT_S} s)")
+        finished = multiprocess.launch_local(
+            lambda i, coordinator: [sys.executable, script, str(i), str(processes), coordinator],
+            processes=processes, devices=2, timeout_s=TIMEOUT_S, cwd=str(ROOT), env={"PYTHONPATH": path},
+        )  # fmt: skip
+    except TimeoutError as e:
+        pytest.fail(f"the {processes}-process scenario hung: {e}")
     results = []
-    for i, (p, (out, err)) in enumerate(zip(procs, outputs, strict=True)):
-        assert p.returncode == 0, f"process {i} exited with {p.returncode}:\n{err[-6000:]}"
+    for i, (code, out, err) in enumerate(finished):
+        assert code == 0, f"process {i} exited with {code}:\n{err[-6000:]}"
         results.append(json.loads(out.strip().splitlines()[-1]))
     return results
 
