@@ -105,7 +105,7 @@ def run_multiprocess_demo(
         payloads.append(json.loads(stdout.strip().splitlines()[-1]))
     disagree = [p["process"] for p in payloads[1:] if p["runs"] != payloads[0]["runs"]]
     results = [sharded_faults.ShardedRunResult(**r) for r in payloads[0]["runs"]]
-    where = f"{processes} processes x {devices} cpu devices, merged on every process; the last is process {processes - 1}'s"
+    where = f"{processes} processes x {devices} cpu devices, the last in process {processes - 1}; merged on each"
     code = sharded_faults.write_results(results, mesh=payloads[0]["mesh"], where=where,
                                         wall_s=time.perf_counter() - started, as_json=as_json, out=out,
                                         processes=processes)  # fmt: skip

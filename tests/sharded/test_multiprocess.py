@@ -17,7 +17,7 @@ from kvcanary_jax.demo import multiprocess
 
 HERE = pathlib.Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
-TIMEOUT_S = 300
+TIMEOUT_S = 600  # generous: a loaded 2-core machine compiles 4 processes slowly; a hang still fails
 
 
 def launch(processes: int) -> list[dict]:
