@@ -11,9 +11,13 @@ import os
 import pathlib
 import sys
 
+import jax
+import numpy as np
 import pytest
 
+import kvcanary_jax as kc
 from kvcanary_jax.demo import multiprocess
+from tests.sharded import sharding_testlib as lib
 
 HERE = pathlib.Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
@@ -95,3 +99,9 @@ def test_raise_mode_every_process_raises_the_same_error_at_the_same_step(scenari
     # Injected before step 5, read 2 steps later; every process got here, so none hung in a collective.
     assert raised is not None and raised["step"] == 7 and raised["devices"] == [target]
     assert raised["text"].startswith("kv_canary violation: launch_tag=TAIL_K_FULL fail_reason=verify_real_kv_hash")
+
+
+def test_report_on_must_name_a_process():
+    lay = kc.MeshLayout(jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("dp", "tp")), tp_axis="tp")
+    with pytest.raises(ValueError, match=r"report_on must be a process index below 1 or None; got report_on=1"):
+        kc.ShardedCanaryMonitor(kc.ShardedKvCanary(lib.CANARY, lay), report_on=1)
