@@ -72,10 +72,12 @@ class MultiProcessMonitor:
 
     @property
     def sweep_due(self) -> bool:
+        """Whether the step now running should end with a sweep (see ``CanaryMonitor.sweep_due``)."""
         interval = self.config.sweep_interval
         return self.sharded.canary.enabled and interval > 0 and self.step % interval == 0
 
     def after_step(self, state: CanaryState, *, step: int | None = None) -> None:
+        """Dispatches this step's poll and processes the one from ``check_lag_steps`` steps ago, on every process."""
         _check_state(state)
         if step is not None and not checks.is_int(step):
             raise TypeError(f"step must be an int; got step={step!r}")
@@ -88,6 +90,7 @@ class MultiProcessMonitor:
             self._process(*self._pending.popleft(), state)
 
     def final_check(self, state: CanaryState) -> _sharded_report.ShardedViolationReport:
+        """Blocking: processes every pending poll and the state as it is now; returns the merged report."""
         _check_state(state)
         if self.sharded.canary.enabled:
             while self._pending:
