@@ -71,12 +71,8 @@ class ShardedViolationReport:
     overflowed: bool
     hosts: tuple[str, ...] = ()
 
-    def process_of(self, coords: _layout.Coords) -> int:
-        """The index of the process that owns the device at mesh ``coords``."""
-        return self.mesh_layout.mesh.devices[coords].process_index
-
     def where(self, coords: _layout.Coords) -> str:
-        """The device at ``coords`` as text, e.g. ``dp=1,tp=1 (TFRT_CPU_3, process 1 on host h1)``."""
+        """The device at ``coords`` as text, e.g. ``dp=0,tp=1 (cpu:2048, process 1 on host node7)``."""
         device = self.mesh_layout.mesh.devices[coords]
         owner = f", process {device.process_index} on host {self.hosts[device.process_index]}" if self.hosts else ""
         return f"{self.mesh_layout.label(coords)} ({device}{owner})"
