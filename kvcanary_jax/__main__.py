@@ -22,6 +22,12 @@ def main(argv: list[str] | None = None) -> int:
         help="run sharded over N devices, a (dp, tp) mesh (on CPU: N fake devices); faults hit one device",
     )  # fmt: skip
     demo.add_argument(
+        "--processes", type=int, default=None, metavar="P",
+        help="with --devices D: run the sharded demo over P local jax.distributed processes of D CPU devices each",
+    )  # fmt: skip
+    demo.add_argument("--process-id", type=int, default=None, help=argparse.SUPPRESS)  # set for each child process
+    demo.add_argument("--coordinator", default=None, help=argparse.SUPPRESS)
+    demo.add_argument(
         "--backend", default="auto", choices=BACKENDS,
         help="the canary's kernels: auto (Triton on GPU, Mosaic on TPU, else xla), xla, pallas, interpret (Triton, "
         "interpreted) or interpret_tpu (Mosaic, interpreted; slow)",
@@ -35,6 +41,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "demo" and args.engine == "sglang-jax":
         return _engine_demo(args)
+    if args.command == "demo" and args.processes is not None:
+        return _processes_demo(args)
     if args.command == "demo" and args.devices is not None:
         from kvcanary_jax.demo import sharded, sharded_faults
 
@@ -49,6 +57,23 @@ def main(argv: list[str] | None = None) -> int:
     from kvcanary_jax.demo import example
 
     return 0 if example.run_example() > 0 else 1
+
+
+def _processes_demo(args: argparse.Namespace) -> int:
+    """The sharded fault table over ``--processes`` local processes: the parent, or one child (``--process-id``)."""
+    from kvcanary_jax.demo import multiprocess
+
+    if args.devices is None or args.engine != "toy":
+        print("--processes P needs --devices D (CPU devices per process) and the toy engine")
+        return 2
+    options = {"seed": args.seed, "clean_steps": args.clean_steps, "backend": args.backend}
+    if args.process_id is not None:
+        return multiprocess.run_process(
+            process_id=args.process_id, processes=args.processes, coordinator=args.coordinator, **options
+        )
+    return multiprocess.run_multiprocess_demo(
+        processes=args.processes, devices=args.devices, as_json=args.json, out=sys.stdout, **options
+    )
 
 
 def _engine_demo(args: argparse.Namespace) -> int:

@@ -34,9 +34,17 @@ class StepHooks(Protocol):
 
 
 def mesh_layout(devices: int) -> kc.MeshLayout:
-    """A ``(dp, tp)`` mesh of the first ``devices`` devices, ``tp`` splitting the demo model's KV heads."""
+    """A ``(dp, tp)`` mesh of the first ``devices`` devices, ``tp`` splitting the demo model's KV heads.
+
+    Under ``jax.distributed`` the devices are taken each process's first device, then each one's second, and so on,
+    so TP peers (neighbours along ``tp``) live in different processes.
+    """
     tp = _HEADS if devices % _HEADS == 0 else 1
-    grid = np.array(jax.devices()[:devices]).reshape(devices // tp, tp)
+    rank = {}  # a device's index among its process's devices
+    for d in jax.devices():
+        rank[d] = sum(e.process_index == d.process_index for e in rank)
+    ordered = sorted(jax.devices(), key=lambda d: (rank[d], d.process_index))
+    grid = np.array(ordered[:devices]).reshape(devices // tp, tp)
     return kc.MeshLayout(jax.sharding.Mesh(grid, ("dp", "tp")), tp_axis="tp")
 
 

@@ -231,6 +231,53 @@ def format_table(results: list[ShardedRunResult]) -> str:
     return "\n".join(lines)
 
 
+def fault_table(
+    *, devices: int, seed: int = 0, clean_steps: int = 300, backend: str = "auto"
+) -> tuple[kc.MeshLayout, list[ShardedRunResult]]:
+    """The mesh of ``devices`` devices (all processes' under ``jax.distributed``), and the clean run and every fault.
+
+    On CPU, call :func:`kvcanary_jax.demo.sharded.use_fake_cpu_devices` first (before jax initialises).
+    """
+    if not isinstance(devices, int) or not 1 <= devices <= len(jax.devices()):
+        raise ValueError(
+            f"--devices must be between 1 and the {len(jax.devices())} {jax.devices()[0].platform} device(s) jax "
+            f"has; got {devices=}. On CPU, use_fake_cpu_devices(N) makes N devices if it runs before jax initialises."
+        )
+    lay = mesh_layout(devices)
+    runs = [(None, PoolKind.FULL), *faults.FAULT_RUNS]  # the clean run and the single-device demo's faults
+    if lay.mesh.shape["tp"] > 1:
+        runs.append(("shard_chain", PoolKind.FULL))
+    max_steps = lambda f: clean_steps if f is None else _MAX_FAULT_STEPS  # noqa: E731
+    return lay, [run(f, mesh_layout=lay, group=g, seed=seed, max_steps=max_steps(f), backend=backend) for f, g in runs]
+
+
+def write_results(
+    results: list[ShardedRunResult],
+    *,
+    mesh: dict[str, int],
+    where: str,
+    wall_s: float,
+    as_json: bool,
+    out: TextIO,
+    processes: int = 1,
+) -> int:
+    """Prints the table (or JSON) of a fault table run on ``mesh``; ``where`` names the devices. 0 if all went well."""
+    ok = all(r.ok for r in results)
+    if as_json:
+        payload = {"ok": ok, "mesh": mesh, "processes": processes, "wall_s": round(wall_s, 1),
+                   "runs": [dataclasses.asdict(r) for r in results]}  # fmt: skip
+        out.write(json.dumps(payload, indent=2) + "\n")
+    else:
+        axes = ", ".join(f"{a}={n}" for a, n in mesh.items())
+        out.write(f"mesh: {axes} ({where}); faults injected on the last device\n\n")
+        out.write(format_table(results) + "\n")
+        verdict = (
+            "all faults reported by the right devices, no false positives" if ok else "FAILED: see the result column"
+        )
+        out.write(f"\n{verdict} ({wall_s:.0f} s)\n")
+    return 0 if ok else 1
+
+
 def run_sharded_demo(
     *,
     devices: int,
@@ -244,40 +291,8 @@ def run_sharded_demo(
 
     On CPU, call :func:`kvcanary_jax.demo.sharded.use_fake_cpu_devices` first (before jax initialises).
     """
-    if not isinstance(devices, int) or not 1 <= devices <= len(jax.devices()):
-        raise ValueError(
-            f"--devices must be between 1 and the {len(jax.devices())} {jax.devices()[0].platform} device(s) jax "
-            f"has; got {devices=}. On CPU, use_fake_cpu_devices(N) makes N devices if it runs before jax initialises."
-        )
     started = time.perf_counter()
-    lay = mesh_layout(devices)
-    runs = [(None, PoolKind.FULL), *faults.FAULT_RUNS]  # the clean run and the single-device demo's faults
-    if lay.mesh.shape["tp"] > 1:
-        runs.append(("shard_chain", PoolKind.FULL))
-    results = [
-        run(
-            f,
-            mesh_layout=lay,
-            group=g,
-            seed=seed,
-            max_steps=clean_steps if f is None else _MAX_FAULT_STEPS,
-            backend=backend,
-        )
-        for f, g in runs
-    ]
-    ok = all(r.ok for r in results)
-    mesh = ", ".join(f"{a}={n}" for a, n in lay.mesh.shape.items())
-    if as_json:
-        payload = {"ok": ok, "mesh": dict(lay.mesh.shape), "wall_s": round(time.perf_counter() - started, 1),
-                   "runs": [dataclasses.asdict(r) for r in results]}  # fmt: skip
-        out.write(json.dumps(payload, indent=2) + "\n")
-    else:
-        out.write(
-            f"mesh: {mesh} ({devices} {jax.devices()[0].platform} devices); faults injected on the last device\n\n"
-        )
-        out.write(format_table(results) + "\n")
-        verdict = (
-            "all faults reported by the right devices, no false positives" if ok else "FAILED: see the result column"
-        )
-        out.write(f"\n{verdict} ({time.perf_counter() - started:.0f} s)\n")
-    return 0 if ok else 1
+    lay, results = fault_table(devices=devices, seed=seed, clean_steps=clean_steps, backend=backend)
+    where = f"{devices} {jax.devices()[0].platform} devices"
+    wall_s = time.perf_counter() - started
+    return write_results(results, mesh=dict(lay.mesh.shape), where=where, wall_s=wall_s, as_json=as_json, out=out)

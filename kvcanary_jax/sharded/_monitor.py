@@ -3,7 +3,8 @@
 Each device's monitor polls that device's own write index and counters (lagged, non-blocking, as on one device).
 Violations are reported here instead, device-major, from the merged report: SGLang's message plus the device's mesh
 coordinates and, for a ``SHARD_CHAIN_MISMATCH`` row, the peer's. Other lines of a device's monitor (overflow
-warnings, dropped-row notes, stats) pass through with the device appended. Single-process meshes only.
+warnings, dropped-row notes, stats) pass through with the device appended. A mesh that spans ``jax.distributed``
+processes is polled by ``_multihost`` instead: lagged all-gathers give every process the same merged view.
 """
 
 from __future__ import annotations
@@ -18,26 +19,12 @@ from kvcanary_jax.core._constants import CanaryMode
 from kvcanary_jax.core._state import ViolationLog
 from kvcanary_jax.runtime import _health, _monitor
 from kvcanary_jax.runtime._batch import CanaryState
-from kvcanary_jax.sharded import _layout
+from kvcanary_jax.sharded import _layout, _multihost
 from kvcanary_jax.sharded import _report as _sharded_report
 from kvcanary_jax.sharded._canary import ShardedKvCanary
+from pallas_kernels import checks
 
 _VIOLATION_PREFIX = "kv_canary violation:"  # SGLang's frozen first line
-
-
-@dataclasses.dataclass(frozen=True)
-class DeviceObservedViolation:
-    """An observed violation and where it happened.
-
-    Attributes:
-      device: mesh coordinates of the reporting device.
-      peer: mesh coordinates of the consensus shard of a ``SHARD_CHAIN_MISMATCH`` row, else None.
-      observed: the violation with its step, observed step and ring row (in that device's ring).
-    """
-
-    device: _layout.Coords
-    peer: _layout.Coords | None
-    observed: _monitor.ObservedViolation
 
 
 class _DeviceLog(logging.LoggerAdapter):
@@ -59,15 +46,26 @@ class ShardedCanaryMonitor:
     Call :meth:`after_step` once per outer step and :meth:`final_check` at shutdown, as with
     :class:`~kvcanary_jax.CanaryMonitor`. In ``raise`` mode the error's ``.report`` is a
     :class:`~kvcanary_jax.ShardedViolationReport`; a health error names the stalled devices.
+
+    Under ``jax.distributed`` (a mesh spanning processes) every process creates one and makes the same calls: each
+    then sees every device's violations, raises at the same step in raise mode, and names each device's process and
+    host. ``report_on`` picks the one process that logs (None: every process logs).
     """
 
-    def __init__(self, sharded: ShardedKvCanary, *, log: logging.Logger | None = None):
+    def __init__(self, sharded: ShardedKvCanary, *, log: logging.Logger | None = None, report_on: int | None = None):
         if not isinstance(sharded, ShardedKvCanary):
             raise TypeError(f"sharded must be a ShardedKvCanary; got {type(sharded).__name__}")
+        if report_on is not None and not (checks.is_int(report_on) and 0 <= report_on < jax.process_count()):
+            raise ValueError(f"report_on must be a process index below {jax.process_count()} or None; got {report_on=}")
         self.sharded = sharded
         self.config = sharded.canary.config
         self.log = log or _monitor.logger
         lay = sharded.mesh_layout
+        self._multi = None
+        if _multihost.spans_processes(lay):
+            self._multi = _multihost.MultiProcessMonitor(sharded, log=log, report_on=report_on)
+            self.monitors = {}
+            return
         # Device monitors only log: raising is decided here, once every device has been polled.
         mode = CanaryMode.LOG if self.config.mode is CanaryMode.RAISE else self.config.mode
         quiet = dataclasses.replace(sharded.canary, config=dataclasses.replace(self.config, mode=mode))
@@ -75,16 +73,25 @@ class ShardedCanaryMonitor:
             coords: _monitor.CanaryMonitor(quiet, log=_DeviceLog(self.log, lay.label(coords)))
             for coords, _ in lay.devices()
         }
-        self.observed: list[DeviceObservedViolation] = []
+        self._observed: list[_sharded_report.DeviceObservedViolation] = []
+
+    @property
+    def observed(self) -> list[_sharded_report.DeviceObservedViolation]:
+        """Every violation reported so far, in report order."""
+        return self._observed if self._multi is None else self._multi.observed
 
     @property
     def step(self) -> int:
         """Outer steps seen so far (every device's monitor has seen the same)."""
+        if self._multi is not None:
+            return self._multi.step
         return next(iter(self.monitors.values())).step
 
     @property
     def sweep_due(self) -> bool:
         """Whether the step now running should end with a sweep (see ``CanaryMonitor.sweep_due``)."""
+        if self._multi is not None:
+            return self._multi.sweep_due
         return next(iter(self.monitors.values())).sweep_due
 
     def after_step(self, state: CanaryState, *, step: int | None = None) -> None:
@@ -94,6 +101,8 @@ class ShardedCanaryMonitor:
           KvCanaryViolationError: in raise mode, when any device shows new violations.
           KvCanaryHealthError: when a launch tag stopped running on some device; the message names them.
         """
+        if self._multi is not None:
+            return self._multi.after_step(state, step=step)
         seen = {coords: len(m.observed) for coords, m in self.monitors.items()}
         stalled = []
         for coords, view in self._views(state).items():
@@ -111,6 +120,8 @@ class ShardedCanaryMonitor:
         Raises:
           KvCanaryViolationError: in raise mode, if violations not yet raised are found.
         """
+        if self._multi is not None:
+            return self._multi.final_check(state)
         seen = {coords: len(m.observed) for coords, m in self.monitors.items()}
         for coords, view in self._views(state).items():
             self.monitors[coords].final_check(view)
@@ -127,7 +138,7 @@ class ShardedCanaryMonitor:
         for coords, observed in new.items():  # device-major, as self.monitors is ordered
             for o in observed:
                 dv = rows[coords][o.row]
-                self.observed.append(DeviceObservedViolation(device=coords, peer=dv.peer, observed=o))
+                self._observed.append(_sharded_report.DeviceObservedViolation(device=coords, peer=dv.peer, observed=o))
                 monitor = self.monitors[coords]
                 messages.append(
                     _sharded_report.format_device_violation(

@@ -3,14 +3,20 @@
 from __future__ import annotations
 
 import dataclasses
+import socket
 
+import jax
 import numpy as np
+from jax.experimental import multihost_utils
 
 from kvcanary_jax.core import _report
 from kvcanary_jax.core._constants import FailReason
 from kvcanary_jax.core._state import ViolationLog
+from kvcanary_jax.runtime import _monitor
 from kvcanary_jax.sharded import _check, _layout
 from pallas_kernels import layout
+
+_HOST_NAME_BYTES = 64
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,6 +35,21 @@ class DeviceViolation:
 
 
 @dataclasses.dataclass(frozen=True)
+class DeviceObservedViolation:
+    """An observed violation and where it happened.
+
+    Attributes:
+      device: mesh coordinates of the reporting device.
+      peer: mesh coordinates of the consensus shard of a ``SHARD_CHAIN_MISMATCH`` row, else None.
+      observed: the violation with its step, observed step and ring row (in that device's ring).
+    """
+
+    device: _layout.Coords
+    peer: _layout.Coords | None
+    observed: _monitor.ObservedViolation
+
+
+@dataclasses.dataclass(frozen=True)
 class ShardedViolationReport:
     """Every device's ring merged into one report; violations are device-major, then in ring order.
 
@@ -39,6 +60,7 @@ class ShardedViolationReport:
       write_index: violations seen on all devices together.
       is_errored: any device saw a violation.
       overflowed: any device's ring overflowed.
+      hosts: every process's host name, by process index (multi-controller meshes), or empty.
     """
 
     mesh_layout: _layout.MeshLayout
@@ -47,6 +69,13 @@ class ShardedViolationReport:
     write_index: int
     is_errored: bool
     overflowed: bool
+    hosts: tuple[str, ...] = ()
+
+    def where(self, coords: _layout.Coords) -> str:
+        """The device at ``coords`` as text, e.g. ``dp=0,tp=1 (cpu:2048, process 1 on host node7)``."""
+        device = self.mesh_layout.mesh.devices[coords]
+        owner = f", process {device.process_index} on host {self.hosts[device.process_index]}" if self.hosts else ""
+        return f"{self.mesh_layout.label(coords)} ({device}{owner})"
 
     @property
     def devices_with_violations(self) -> tuple[_layout.Coords, ...]:
@@ -65,28 +94,47 @@ def format_device_violation(
 
     ``total_violations`` and ``ring_overflow`` are those of ``dv``'s device, whose ring held the row.
     """
-    mesh_layout = merged.mesh_layout
     own = merged.per_device[dv.device]
     lines = [
         _report.format_violation(
             dv.violation, total=own.write_index, overflowed=own.overflowed, step=step, written_step=written_step
         ),
-        f"  device: {mesh_layout.label(dv.device)} ({mesh_layout.mesh.devices[dv.device]})",
+        f"  device: {merged.where(dv.device)}",
     ]
     if dv.peer is not None:
-        lines.append(f"  peer: {mesh_layout.label(dv.peer)} ({mesh_layout.mesh.devices[dv.peer]})")
+        lines.append(f"  peer: {merged.where(dv.peer)}")
     return "\n".join(lines)
 
 
-def read_sharded_violations(violation_log: ViolationLog, mesh_layout: _layout.MeshLayout) -> ShardedViolationReport:
+def host_names() -> tuple[str, ...]:
+    """Every process's host name, by process index: a blocking all-gather that every process must call."""
+    name = np.zeros(_HOST_NAME_BYTES, np.uint8)
+    mine = socket.gethostname().encode()[:_HOST_NAME_BYTES]
+    name[: len(mine)] = np.frombuffer(mine, np.uint8)
+    rows = np.asarray(multihost_utils.process_allgather(name)).reshape(-1, _HOST_NAME_BYTES)
+    return tuple(bytes(r).rstrip(b"\0").decode(errors="replace") for r in rows)
+
+
+def read_sharded_violations(
+    violation_log: ViolationLog, mesh_layout: _layout.MeshLayout, *, hosts: tuple[str, ...] | None = None
+) -> ShardedViolationReport:
     """Copies every device's ring to the host (a sync) and merges them into one report.
+
+    On a mesh that spans ``jax.distributed`` processes the rings are all-gathered first
+    (``multihost_utils.process_allgather``): a collective, so every process must call this at the same point.
 
     Args:
       violation_log: a per-device log: ring u32[*mesh, capacity, 8, 2], index i32[*mesh, 1].
       mesh_layout: the layout the log was allocated for.
+      hosts: every process's host name, by process index, named in the report's device lines. None: gathered
+        (:func:`host_names`) when the mesh spans processes, else none named.
     """
     if not isinstance(violation_log, ViolationLog):
         raise TypeError(f"violation_log must be a ViolationLog; got {type(violation_log).__name__}")
+    ring = violation_log.violation_ring
+    if isinstance(ring, jax.Array) and not ring.is_fully_addressable:
+        violation_log = multihost_utils.process_allgather(violation_log, tiled=True)
+        hosts = host_names() if hosts is None else hosts
     shape = mesh_layout.shape
     rings, indices = np.asarray(violation_log.violation_ring), np.asarray(violation_log.violation_write_index)
     contexts = None if violation_log.violation_context is None else np.asarray(violation_log.violation_context)
@@ -118,4 +166,5 @@ def read_sharded_violations(violation_log: ViolationLog, mesh_layout: _layout.Me
         write_index=sum(r.write_index for r in per_device.values()),
         is_errored=any(r.is_errored for r in per_device.values()),
         overflowed=any(r.overflowed for r in per_device.values()),
+        hosts=tuple(hosts or ()),
     )

@@ -4,6 +4,8 @@ import dataclasses
 import io
 import json
 
+import pytest
+
 from kvcanary_jax import __main__ as cli_main
 from kvcanary_jax.demo import cli, faults
 from kvcanary_jax.testing import FaultKind, expected_detection
@@ -43,3 +45,10 @@ def test_demo_table_and_exit_code_on_a_miss(monkeypatch):
 def test_example_subcommand_still_works(capsys):
     assert cli_main.main(["example"]) == 0
     assert "kv_canary violation: launch_tag=TAIL_K_FULL" in capsys.readouterr().out
+
+
+def test_demo_processes_needs_devices_and_two_processes(capsys):
+    assert cli_main.main(["demo", "--processes", "2"]) == 2
+    assert "--processes P needs --devices D" in capsys.readouterr().out
+    with pytest.raises(ValueError, match=r"--processes must be >= 2 and --devices >= 1; got processes=1, devices=2"):
+        cli_main.main(["demo", "--processes", "1", "--devices", "2"])

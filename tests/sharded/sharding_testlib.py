@@ -147,8 +147,9 @@ class Run:
     faults: list = dataclasses.field(default_factory=list)  # (steps run before it, device coords, slot)
 
     @classmethod
-    def start(cls, name: str, seed: int = 0) -> Run:
-        lay = mesh_layout(name)
+    def start(cls, name: str | kc.MeshLayout, seed: int = 0) -> Run:
+        """A fresh loop on the named layout (or on ``name`` itself, a layout)."""
+        lay = name if isinstance(name, kc.MeshLayout) else mesh_layout(name)
         n_data = int(np.prod(data_shape(lay), dtype=int))
         pool_shape = data_shape(lay) + (SCHED.num_slots // PAGE, PAGE, tp_size(lay), HEAD_DIM)
         zeros = jax.jit(
