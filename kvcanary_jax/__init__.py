@@ -39,6 +39,8 @@ from kvcanary_jax.core import (
     records_as_int64,
 )
 from kvcanary_jax.runtime import (
+    AdoptEntries,
+    AdoptPlan,
     CanaryBatch,
     CanaryMonitor,
     CanaryPool,
@@ -68,6 +70,8 @@ from kvcanary_jax.sharded import (
 
 __all__ = [
     # Wrap a decode loop: the canary, its state and batch, the pool, real-KV sources, sweeps, fence, the monitor.
+    "AdoptEntries",
+    "AdoptPlan",
     "CanaryBatch",
     "CanaryConfig",
     "CanaryMonitor",
