@@ -81,17 +81,18 @@ class AdoptEntries(NamedTuple):
     def merge(*parts: AdoptEntries) -> AdoptEntries:
         """The parts in order, each slot once: a repeat of an identical entry (a request's prefix that the radix
         tree also holds) is dropped; a repeat that differs is an error naming the slot."""
-        columns = [np.concatenate([np.asarray(getattr(p, f), np.int64).reshape(-1) for p in parts] or [[]]) for f in _FIELDS]
-        table = np.stack(columns, axis=1)
-        _, first = np.unique(table[:, 0], return_index=True)
+        columns = [[np.asarray(getattr(p, f), np.int64).reshape(-1) for p in parts] for f in _FIELDS]
+        table = np.stack([np.concatenate([np.zeros(0, np.int64), *c]) for c in columns], axis=1)
+        _, first, inverse = np.unique(table[:, 0], return_index=True, return_inverse=True)
+        kept = table[first[inverse.reshape(-1)]]  # each entry's first entry of the same slot
+        differs = (table != kept).any(axis=1)
+        if differs.any():
+            i = int(np.argmax(differs))
+            raise ValueError(
+                f"slot {table[i, 0]} is given twice with different entries: (token, position, prev_slot) = "
+                f"{tuple(kept[i, 1:].tolist())} and {tuple(table[i, 1:].tolist())}"
+            )
         keep = np.sort(first)
-        for row in table[np.setdiff1d(np.arange(len(table)), keep)]:
-            kept = table[keep][table[keep][:, 0] == row[0]][0]
-            if (row != kept).any():
-                raise ValueError(
-                    f"slot {row[0]} is given twice with different entries: (token, position, prev_slot) = "
-                    f"{tuple(kept[1:].tolist())} and {tuple(row[1:].tolist())}"
-                )
         return AdoptEntries(*(table[keep, i].astype(np.int32) for i in range(len(_FIELDS))))
 
 

@@ -57,7 +57,8 @@ def test_a_warm_engine_adopted_runs_silent_and_a_later_fault_is_caught(worker):
     guard = sglang_jax.wrap(worker, CONFIG, tree_cache=sched.tree_cache)
     try:
         adopted = guard.adopt(sched.running_reqs(), sched.req_to_token_pool)
-        held = {int(s) for r in sched.running_reqs() for s in sched.req_to_token_pool.req_to_token[r.req_pool_idx, :r.kv_committed_len]}  # fmt: skip
+        table = sched.req_to_token_pool.req_to_token
+        held = {int(s) for r in sched.running_reqs() for s in table[r.req_pool_idx, : r.kv_committed_len]}
         assert adopted >= len(held) > 0
         _serve(sched, WRAPPED_STEPS, guard)
         report = read_violations(guard.state.violation_log)

@@ -103,7 +103,7 @@ def test_serving_on_after_adoption_is_silent_and_a_later_fault_is_caught():
     assert not read_violations(state.violation_log).is_errored
     kv_k = testing.flip_kv_byte(KV_K, np.int32(12), page_size=PAGE)
     sweep = CANARY.sweep_plan(kc.SweepEntries(np.array([3, 4, 12]), np.array([0, 1, 3]), np.array([-1, 3, 5])))
-    state = CANARY.sweep(state, sweep, CANARY.kv_sources(full_k=kv_k, full_v=KV_V))
+    state = jax.jit(lambda s, p, k: CANARY.sweep(s, p, CANARY.kv_sources(full_k=k, full_v=KV_V)))(state, sweep, kv_k)
     (v,) = read_violations(state.violation_log).violations
     assert (v.slot_idx, v.position, v.fail_reason) == (12, 3, FailReason.VERIFY_REAL_KV_HASH_MISMATCH)
 
@@ -141,8 +141,10 @@ def test_host_misuse_is_named():
 
 def test_device_entries_that_cannot_be_adopted_are_invalid_input_rows():
     # entry 0: slot 0; entry 1: prev 40 (out of range); 2 -> 3 -> 2: a cycle; entry 4 follows the rejected entry 0.
-    columns = dict(slots=[0, 6, 7, 8, 9], tokens=[1, 2, 3, 4, 5], positions=[0, 1, 1, 2, 1], prev_slots=[-1, 40, 8, 7, 0])
-    plan = _adopt.AdoptPlan(**{k: jnp.array(v + [0] * 3, jnp.int32) for k, v in columns.items()},
+    columns = dict(
+        slots=[0, 6, 7, 8, 9], tokens=[1, 2, 3, 4, 5], positions=[0, 1, 1, 2, 1], prev_slots=[-1, 40, 8, 7, 0]
+    )
+    plan = _adopt.AdoptPlan(**{k: jnp.array(v + [0] * (NUM_SLOTS - 5), jnp.int32) for k, v in columns.items()},
                             num_valid=jnp.array([5], jnp.int32))  # fmt: skip
     state = _adopt_jit(CANARY.init_state(), plan)
     got = [
