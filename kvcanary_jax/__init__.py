@@ -37,6 +37,8 @@ from kvcanary_jax.core import (
     launch_tag,
     read_violations,
     records_as_int64,
+    restore_and_verify,
+    snapshot_records,
 )
 from kvcanary_jax.runtime import (
     AdoptEntries,
@@ -101,6 +103,8 @@ __all__ = [
     "build_plans",
     "canary_verify",
     "canary_write",
+    "restore_and_verify",
+    "snapshot_records",
     # Read reports: the host reader, its rows and messages, the errors the monitor raises.
     "DeviceObservedViolation",
     "DeviceViolation",
