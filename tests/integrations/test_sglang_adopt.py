@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import types
 
 import numpy as np
 import pytest
@@ -97,3 +98,14 @@ def test_misuse_is_named():
     Req.kv_committed_len = 3
     with pytest.raises(ValueError, match=r"slot 5 is given twice with different entries"):
         _sglang_adopt.adopt_entries([Req()], pool)
+
+
+def test_scheduler_requests_lists_each_live_request_once():
+    def req(name, done=False, row=0):
+        return types.SimpleNamespace(rid=name, req_pool_idx=row, finished=lambda: done)
+
+    a, b, c, d, gone, unplaced = req("a"), req("b"), req("c"), req("d"), req("e", done=True), req("f", row=None)
+    batch = lambda *reqs: types.SimpleNamespace(reqs_info=[types.SimpleNamespace(reqs=list(reqs))])  # noqa: E731
+    scheduler = types.SimpleNamespace(running_batch=batch(a, b, gone), last_batch=batch(b, c, unplaced),
+                                      chunked_reqs=[d, None])  # fmt: skip
+    assert [r.rid for r in _sglang_adopt.scheduler_requests(scheduler)] == ["a", "b", "c", "d"]
