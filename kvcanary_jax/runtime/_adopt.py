@@ -25,7 +25,7 @@ from jax import lax
 from kvcanary_jax.core._constants import InputField, InputProblem
 from kvcanary_jax.runtime import _sweep
 from kvcanary_jax.runtime._inputs import Issues
-from pallas_kernels import realkv
+from pallas_kernels import checks, realkv
 from pallas_kernels.write import api as write_api
 
 _FIELDS = ("slots", "tokens", "positions", "prev_slots")
@@ -111,6 +111,15 @@ class AdoptPlan:
     def capacity(self) -> int:
         return self.slots.shape[0]
 
+    def check(self) -> None:
+        """Static checks (trace time): four i32 columns of one length (at least one entry) and an i32[1] count."""
+        columns = {f"plan.{f}": getattr(self, f) for f in _FIELDS}
+        for name, x in columns.items():
+            checks.array(name, x, dtype=jnp.int32, ndim=1)
+        if not checks.same_length(columns):
+            raise ValueError("plan.slots needs at least one entry (shapes are static: pad it)")
+        checks.array("plan.num_valid", self.num_valid, dtype=jnp.int32, shape=(1,))
+
 
 def pack(entries: AdoptEntries, num_slots: int, capacity: int | None = None) -> AdoptPlan:
     """Host: checks the entries and pads them to ``capacity`` (default ``num_slots``: each slot at most once).
@@ -176,7 +185,7 @@ def _segments(plan: AdoptPlan, listed: jax.Array, good: jax.Array) -> _Segments:
     before = jnp.roll(plan.slots, 1)
     follows = (i > 0) & (plan.prev_slots == before) & jnp.roll(good, 1) & good
     start = listed & ~follows
-    n = plan.num_valid[0]
+    n = jnp.clip(plan.num_valid[0], 0, plan.capacity)
     (first,) = jnp.nonzero(start, size=plan.capacity, fill_value=n)
     count = jnp.sum(start, dtype=jnp.int32)
     seeds = jnp.where(i < count, plan.prev_slots[jnp.minimum(first, plan.capacity - 1)], -1)

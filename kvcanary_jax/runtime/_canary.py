@@ -337,6 +337,7 @@ class KvCanary:
         self._check_sources(kv_cache_sources)
         if not isinstance(plan, _adopt.AdoptPlan):
             raise TypeError(f"plan must be an AdoptPlan (see KvCanary.adopt_plan); got {type(plan).__name__}")
+        plan.check()
         (g,) = self.groups
         keys = [(p, h) for p in (Phase.HEAD, Phase.TAIL) for h in self.halves]
         buffers, issues = _adopt.adopt_buffers(

@@ -132,6 +132,9 @@ def test_host_misuse_is_named():
         kc.AdoptEntries.from_request([3, 4], [1, 2], 3)
     with pytest.raises(TypeError, match="plan must be an AdoptPlan"):
         CANARY.adopt(CANARY.init_state(), e, CANARY.kv_sources(full_k=KV_K, full_v=KV_V))
+    bad_plan = dataclasses.replace(CANARY.adopt_plan(e), tokens=jnp.zeros(NUM_SLOTS, jnp.float32))
+    with pytest.raises(TypeError, match=r"plan.tokens must have dtype int32"):
+        CANARY.adopt(CANARY.init_state(), bad_plan, CANARY.kv_sources(full_k=KV_K, full_v=KV_V))
     with pytest.raises(ValueError, match="has no full_v source"):
         CANARY.adopt(CANARY.init_state(), CANARY.adopt_plan(e), CANARY.kv_sources(full_k=KV_K))
     swa = kc.KvCanary(CONFIG, kc.CanaryPool(num_slots=NUM_SLOTS, swa=kc.SwaGroup(num_slots=8, window=4)))
