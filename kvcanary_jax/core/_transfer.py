@@ -28,9 +28,10 @@ def _in_pool(slots: jax.Array, num_slots: int) -> jax.Array:
 
 def _check_concrete_slots(name: str, slots, num_slots: int) -> None:
     """A host (non-traced) slot list must be padding (<= 0) or in the pool; traced ones are the verify's to catch."""
-    if isinstance(slots, jax.core.Tracer):
-        return
-    host = np.asarray(slots)
+    try:
+        host = np.asarray(slots)
+    except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
+        return  # traced (under jit): a snapshot of such a slot is all zeros, whose restore fails its verify
     bad = host >= num_slots
     if bad.any():
         i = int(np.argmax(bad))
@@ -43,7 +44,7 @@ def snapshot_records(canary_buf: jax.Array, slots: jax.Array) -> jax.Array:
 
     Args:
       canary_buf: u32[num_slots, 4, 2] records of one endpoint (e.g. a TAIL buffer, whose records carry real KV).
-      slots: i32[n] slots; padding entries (<= 0) give all-zero records.
+      slots: i32[n] slots; padding entries (<= 0), and traced slots past the buffer, give all-zero records.
 
     Returns:
       u32[n, 4, 2]: each slot's TOKEN, POSITION, PREV_HASH and REAL_KV_HASH, as stored.
