@@ -24,6 +24,8 @@ import numpy as np
 import kvcanary_jax as kc
 from kvcanary_jax.integrations import sglang_jax
 
+_MIN_CAPACITY = 256
+
 
 def _children(node) -> list:
     """A node's resident children, as :func:`sglang_jax.radix_entries` walks them."""
@@ -89,7 +91,9 @@ def adopt(guard, reqs, req_to_token_pool) -> int:
       ValueError: an entry the engine's tables give that cannot be adopted, named (see ``KvCanary.adopt_plan``).
     """
     entries = adopt_entries(reqs, req_to_token_pool, guard.tree_cache)
-    plan = guard.canary.adopt_plan(entries)
+    # A power-of-two capacity: the work scales with what is cached, and few sizes ever compile.
+    capacity = min(guard.canary.pool.num_slots, max(_MIN_CAPACITY, 1 << max(len(entries.slots) - 1, 0).bit_length()))
+    plan = guard.canary.adopt_plan(entries, capacity=capacity)
     runner = guard.runner
     with jax.set_mesh(runner.mesh):
         guard.state = _adopt(guard.state, plan, runner.token_to_kv_pool.kv_buffer[0], canary=guard.canary)
