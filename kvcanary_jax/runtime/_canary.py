@@ -315,8 +315,7 @@ class KvCanary:
           TypeError, ValueError: for a bad entry, named (see :func:`kvcanary_jax.runtime._adopt.pack`).
           NotImplementedError: the pool has an SWA group (its records are not adopted).
         """
-        if self.pool.swa is not None:
-            raise NotImplementedError("adopt covers the FULL pool only; this pool has an SWA group (CanaryPool.swa)")
+        self._check_no_swa("adopt_plan")
         return _adopt.pack(entries, self.pool.num_slots, capacity)
 
     @mesh.entry_point("state", "plan")
@@ -333,6 +332,7 @@ class KvCanary:
         """
         if not self.enabled:
             return state
+        self._check_no_swa("adopt")
         self._check_state(state)
         self._check_sources(kv_cache_sources)
         if not isinstance(plan, _adopt.AdoptPlan):
@@ -554,6 +554,10 @@ class KvCanary:
         return dataclasses.replace(state, device=device)
 
     # -- checks of what only this layer knows ----------------------------------------------------------------------
+
+    def _check_no_swa(self, op: str) -> None:
+        if self.pool.swa is not None:
+            raise NotImplementedError(f"{op} covers the FULL pool only; this pool has an SWA group (CanaryPool.swa)")
 
     def _check_state(self, state) -> None:
         """``state`` is shaped as this canary's ``init_state()`` (a state of another canary reads out of range)."""

@@ -137,9 +137,12 @@ def test_host_misuse_is_named():
         CANARY.adopt(CANARY.init_state(), bad_plan, CANARY.kv_sources(full_k=KV_K, full_v=KV_V))
     with pytest.raises(ValueError, match="has no full_v source"):
         CANARY.adopt(CANARY.init_state(), CANARY.adopt_plan(e), CANARY.kv_sources(full_k=KV_K))
-    swa = kc.KvCanary(CONFIG, kc.CanaryPool(num_slots=NUM_SLOTS, swa=kc.SwaGroup(num_slots=8, window=4)))
-    with pytest.raises(NotImplementedError, match="SWA group"):
+    swa_pool = kc.CanaryPool(num_slots=NUM_SLOTS, page_size=PAGE, swa=kc.SwaGroup(num_slots=8, window=4))
+    swa = kc.KvCanary(CONFIG, swa_pool)
+    with pytest.raises(NotImplementedError, match="adopt_plan covers the FULL pool only"):
         swa.adopt_plan(e)
+    with pytest.raises(NotImplementedError, match="adopt covers the FULL pool only"):
+        swa.adopt(swa.init_state(), CANARY.adopt_plan(e), swa.kv_sources(full_k=KV_K, full_v=KV_V))
 
 
 def test_device_entries_that_cannot_be_adopted_are_invalid_input_rows():
