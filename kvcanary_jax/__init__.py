@@ -37,8 +37,12 @@ from kvcanary_jax.core import (
     launch_tag,
     read_violations,
     records_as_int64,
+    restore_and_verify,
+    snapshot_records,
 )
 from kvcanary_jax.runtime import (
+    AdoptEntries,
+    AdoptPlan,
     CanaryBatch,
     CanaryMonitor,
     CanaryPool,
@@ -68,6 +72,8 @@ from kvcanary_jax.sharded import (
 
 __all__ = [
     # Wrap a decode loop: the canary, its state and batch, the pool, real-KV sources, sweeps, fence, the monitor.
+    "AdoptEntries",
+    "AdoptPlan",
     "CanaryBatch",
     "CanaryConfig",
     "CanaryMonitor",
@@ -97,6 +103,8 @@ __all__ = [
     "build_plans",
     "canary_verify",
     "canary_write",
+    "restore_and_verify",
+    "snapshot_records",
     # Read reports: the host reader, its rows and messages, the errors the monitor raises.
     "DeviceObservedViolation",
     "DeviceViolation",

@@ -21,6 +21,8 @@ from kvcanary_jax.core._constants import RealKvHashMode as RealKvHashMode
 from kvcanary_jax.core._constants import launch_tag as launch_tag
 from kvcanary_jax.core._ops import canary_verify as canary_verify
 from kvcanary_jax.core._ops import canary_write as canary_write
+from kvcanary_jax.core._transfer import restore_and_verify as restore_and_verify
+from kvcanary_jax.core._transfer import snapshot_records as snapshot_records
 from kvcanary_jax.core._plans import VerifyPlan as VerifyPlan
 from kvcanary_jax.core._plans import WritePlan as WritePlan
 from kvcanary_jax.core._plans import build_plans as build_plans
@@ -67,4 +69,6 @@ __all__ = [
     "launch_tag",
     "read_violations",
     "records_as_int64",
+    "restore_and_verify",
+    "snapshot_records",
 ]

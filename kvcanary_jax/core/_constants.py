@@ -95,6 +95,9 @@ class InputField(enum.IntEnum):
     OUT_CACHE_LOC = layout.INPUT_FIELD_OUT_CACHE_LOC
     FULL_TO_SWA_INDEX_MAPPING = layout.INPUT_FIELD_FULL_TO_SWA_INDEX_MAPPING
     TOKEN_IDS_LENS = layout.INPUT_FIELD_TOKEN_IDS_LENS
+    # an adopted entry's slot / predecessor slot (KvCanary.adopt)
+    ADOPT_SLOTS = layout.INPUT_FIELD_ADOPT_SLOTS
+    ADOPT_PREV_SLOTS = layout.INPUT_FIELD_ADOPT_PREV_SLOTS
 
 
 class InputProblem(enum.IntEnum):
@@ -112,6 +115,8 @@ class InputProblem(enum.IntEnum):
     PAST_TOKENS = layout.INPUT_PROBLEM_PAST_TOKENS
     # prefix_lens + extend_lens exceeds req_to_token's width
     PAST_CONTEXT = layout.INPUT_PROBLEM_PAST_CONTEXT
+    # an adopted entry whose predecessor was never adopted (missing, itself rejected, or a cycle)
+    UNADOPTED = layout.INPUT_PROBLEM_UNADOPTED
 
 
 INPUT_FIELD_SHIFT = layout.INPUT_FIELD_SHIFT  # fail_reason_bits = INVALID_INPUT | field << 32 | problem << 40

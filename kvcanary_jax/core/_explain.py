@@ -41,6 +41,7 @@ _PROBLEMS = {
     InputProblem.RESERVED_SLOT: "is the reserved padding slot 0, inside a request",
     InputProblem.PAST_TOKENS: "(the token count up to this row) runs past the {limit} token entries of the batch",
     InputProblem.PAST_CONTEXT: "(prefix_lens + extend_lens) exceeds req_to_token's width {limit}",
+    InputProblem.UNADOPTED: "was never adopted (missing from the entries, rejected itself, or a cycle): not adopted",
 }
 
 

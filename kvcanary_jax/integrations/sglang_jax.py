@@ -294,6 +294,12 @@ class SglangCanary:
         with jax.set_mesh(self.runner.mesh):
             self.state = _sweep(self.state, plan, self.runner.token_to_kv_pool.kv_buffer[0], canary=self.canary)
 
+    def adopt(self, reqs, req_to_token_pool) -> int:
+        """Writes the records of the slots the engine cached before the wrap (see :mod:`._sglang_adopt`)."""
+        from kvcanary_jax.integrations import _sglang_adopt  # it imports this module
+
+        return _sglang_adopt.adopt(self, reqs, req_to_token_pool)
+
     def final_check(self) -> kc.ViolationReport:
         """Blocking: every pending check, then the whole report (at shutdown)."""
         return self.monitor.final_check(self.state)

@@ -1,5 +1,7 @@
 """Wrapping a decode loop: ``KvCanary`` and its pytrees, the pool description, sweeps, ``fence``, the host monitor."""
 
+from kvcanary_jax.runtime._adopt import AdoptEntries as AdoptEntries
+from kvcanary_jax.runtime._adopt import AdoptPlan as AdoptPlan
 from kvcanary_jax.runtime._batch import CanaryBatch as CanaryBatch
 from kvcanary_jax.runtime._batch import CanaryState as CanaryState
 from kvcanary_jax.runtime._canary import KvCanary as KvCanary
@@ -15,6 +17,8 @@ from kvcanary_jax.runtime._sweep import SweepPlan as SweepPlan
 from kvcanary_jax.runtime._sweep import walk_prefix_tree as walk_prefix_tree
 
 __all__ = [
+    "AdoptEntries",
+    "AdoptPlan",
     "CanaryBatch",
     "CanaryMonitor",
     "CanaryPool",

@@ -31,7 +31,7 @@ from kvcanary_jax.core import _ops, _plans, _ring
 from kvcanary_jax.core._config import CanaryConfig
 from kvcanary_jax.core._constants import CanaryLaunchTag, Half, Phase, RealKvHashMode
 from kvcanary_jax.core._state import CanaryDeviceState, allocate_canary_buffer
-from kvcanary_jax.runtime import _inputs, _pool, _sweep
+from kvcanary_jax.runtime import _adopt, _inputs, _pool, _sweep
 from kvcanary_jax.runtime._batch import CanaryBatch, CanaryState
 from pallas_kernels import checks, mesh, realkv
 from pallas_kernels.batch_checks import api as batch_checks
@@ -304,6 +304,54 @@ class KvCanary:
                 device = _ops.commit(device, launch)
         return dataclasses.replace(state, device=device)
 
+    def adopt_plan(self, entries: _adopt.AdoptEntries, capacity: int | None = None) -> _adopt.AdoptPlan:
+        """Host: checks slots an engine cached before the canary was attached and packs them for :meth:`adopt`.
+
+        Args:
+          entries: the :class:`AdoptEntries` (each slot once, predecessors first).
+          capacity: the plan's static entry count; default the pool's slot count.
+
+        Raises:
+          TypeError, ValueError: for a bad entry, named (see :func:`kvcanary_jax.runtime._adopt.pack`).
+          NotImplementedError: the pool has an SWA group (its records are not adopted).
+        """
+        self._check_no_swa("adopt_plan")
+        return _adopt.pack(entries, self.pool.num_slots, capacity)
+
+    @mesh.entry_point("state", "plan")
+    def adopt(self, state: CanaryState, plan: _adopt.AdoptPlan, kv_cache_sources: _pool.KvSources) -> CanaryState:
+        """Writes the HEAD and TAIL records of a warm engine's cached slots, as this canary's writes would have.
+
+        Entries that cannot be adopted become ``INVALID_INPUT`` rows (fields ``ADOPT_SLOTS`` / ``ADOPT_PREV_SLOTS``)
+        and are not written; no launch counter moves.
+
+        Args:
+          state: the canary state.
+          plan: the :class:`AdoptPlan` from :meth:`adopt_plan`.
+          kv_cache_sources: the current KV cache as :class:`KvSources` (the same sources ``after_forward`` gets).
+        """
+        if not self.enabled:
+            return state
+        self._check_no_swa("adopt")
+        self._check_state(state)
+        self._check_sources(kv_cache_sources)
+        if not isinstance(plan, _adopt.AdoptPlan):
+            raise TypeError(f"plan must be an AdoptPlan (see KvCanary.adopt_plan); got {type(plan).__name__}")
+        plan.check()
+        (g,) = self.groups
+        keys = [(p, h) for p in (Phase.HEAD, Phase.TAIL) for h in self.halves]
+        buffers, issues = _adopt.adopt_buffers(
+            tuple(state.buffers(g).buffer(p, h) for p, h in keys),
+            tuple(kv_cache_sources.get(g, h) if p is Phase.TAIL else () for p, h in keys),
+            plan,
+            real_kv_hash_mode=int(self.config.real_kv_hash_mode),
+            backend=self.config.backend,
+        )
+        group_buffers = state.buffers(g)
+        for (p, h), buf in zip(keys, buffers, strict=True):
+            group_buffers = group_buffers.with_buffer(p, h, buf)
+        return self._append_issues(dataclasses.replace(state, **{g.name: group_buffers}), issues, g)
+
     # -- one phase of one group ------------------------------------------------------------------------------------
 
     def _forward_phase(
@@ -506,6 +554,10 @@ class KvCanary:
         return dataclasses.replace(state, device=device)
 
     # -- checks of what only this layer knows ----------------------------------------------------------------------
+
+    def _check_no_swa(self, op: str) -> None:
+        if self.pool.swa is not None:
+            raise NotImplementedError(f"{op} covers the FULL pool only; this pool has an SWA group (CanaryPool.swa)")
 
     def _check_state(self, state) -> None:
         """``state`` is shaped as this canary's ``init_state()`` (a state of another canary reads out of range)."""

@@ -124,7 +124,7 @@ def pack_entries(entries: SweepEntries, capacity: int, *, what: str = "sweep") -
       TypeError, ValueError: for entries that are not integer columns of one length holding slots in
         ``[1, capacity)``, or more entries than ``capacity``.
     """
-    _check_entries(entries, capacity, what)
+    check_entries(entries, capacity, what)
     n = len(entries.slots)
     if n > capacity:
         raise ValueError(
@@ -147,7 +147,7 @@ def pack_entries(entries: SweepEntries, capacity: int, *, what: str = "sweep") -
     )
 
 
-def _check_entries(entries: SweepEntries, num_slots: int, what: str) -> None:
+def check_entries(entries: SweepEntries, num_slots: int, what: str) -> None:
     """Host checks: 1-D integer columns of one length, slots in ``[1, num_slots)``, predecessors -1, 0 or a slot,
     positions >= 0."""
     if not isinstance(entries, SweepEntries):
