@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvcanary_jax.core import _constants, _report
+from kvcanary_jax.core import _constants, _incidents, _report
 from kvcanary_jax.core._constants import CanaryMode
 from kvcanary_jax.core._state import u64_pairs_as_int64
 from kvcanary_jax.runtime import _health
@@ -59,9 +59,12 @@ class CanaryMonitor:
 
     After each step it snapshots the write index (and counters) on device and starts an async copy to the host;
     it reads that copy ``config.check_lag_steps`` steps later and pulls the ring only when the index grew. In
-    ``log`` mode each new violation is one WARNING; in ``raise`` mode the first read that finds new violations raises
-    :class:`KvCanaryViolationError`. Every ``health_check_every_n_steps`` it raises :class:`KvCanaryHealthError` (in
-    every mode) if a launch tag stopped running; every ``stats_every_n_steps`` it logs SGLang's stats line.
+    ``log`` mode each incident a read touches is one WARNING; in ``raise`` mode the first read that finds new
+    violations raises :class:`KvCanaryViolationError`. Messages lead with one headline per incident (a fault and the
+    rows it explains, see :mod:`kvcanary_jax.core._incidents`), then SGLang's lines of its root row; rows of an
+    incident already reported show only as a count (``verbose=True`` adds SGLang's lines of every row). Every
+    ``health_check_every_n_steps`` it raises :class:`KvCanaryHealthError` (in every mode) if a launch tag stopped
+    running; every ``stats_every_n_steps`` it logs SGLang's stats line.
 
     Call :meth:`after_step` once per outer step, after the step (and a sweep, if one ran), before the state is
     donated again; call :meth:`final_check` at shutdown.
@@ -69,14 +72,21 @@ class CanaryMonitor:
     Args:
       canary: the :class:`KvCanary` whose state is polled.
       log: where messages go; default the ``kvcanary_jax.monitor`` logger.
+      verbose: also show SGLang's lines of every row, each labelled with its incident.
     """
 
-    def __init__(self, canary: KvCanary, *, log: logging.Logger | logging.LoggerAdapter | None = None):
+    def __init__(
+        self, canary: KvCanary, *, log: logging.Logger | logging.LoggerAdapter | None = None, verbose: bool = False
+    ):
         if not isinstance(canary, KvCanary):
             raise TypeError(f"canary must be a KvCanary; got {type(canary).__name__}")
         if log is not None and not isinstance(log, (logging.Logger, logging.LoggerAdapter)):
             raise TypeError(f"log must be a logging.Logger or LoggerAdapter (or None); got log={log!r}")
+        if not isinstance(verbose, bool):
+            raise TypeError(f"verbose must be a bool; got verbose={verbose!r}")
         self.canary = canary
+        self.verbose = verbose
+        self.incidents = _incidents.Incidents()
         self.config = canary.config
         self.log = log or logger
         self.step = 0
@@ -188,18 +198,38 @@ class CanaryMonitor:
         self.observed.extend(new)
         now = self.step if self.user_step is None else self.user_step
         written = step if user_step is None else user_step
-        messages = [
-            _report.format_violation(
-                o.violation, total=index, overflowed=index > capacity, step=now, written_step=written
-            )
-            for o in new
-        ]
+        messages = self._messages([o.violation for o in new], total=index, step=now, written_step=written)
         if dropped:
             messages.append(
                 f"kv-canary: {dropped} more violation(s) at step={written} were dropped: the ring "
                 f"(ring_capacity={capacity}) is full"
             )
         if self.config.mode is CanaryMode.RAISE:
-            raise _report.KvCanaryViolationError(_report.read_violations(state.violation_log), "\n".join(messages))
+            raise _report.KvCanaryViolationError(
+                _report.read_violations(state.violation_log), "\n".join(messages), self.incidents.incidents
+            )
         for message in messages:
             self.log.warning(message)
+
+    def _messages(self, rows: list[_report.Violation], *, total: int, step: int, written_step: int) -> list[str]:
+        """One message per incident the rows touch: a new one's headline and root row, an old one's new count."""
+        opened = len(self.incidents.incidents)
+        placed = self.incidents.add(rows, step=written_step)
+        overflowed = total > self.config.ring_capacity
+        raw = lambda v: _report.format_violation(  # noqa: E731
+            v, total=total, overflowed=overflowed, step=step, written_step=written_step
+        )
+        messages = {}
+        for v, incident in placed:
+            if incident.number not in messages:
+                if incident.number > opened:
+                    messages[incident.number] = [incident.headline()] + ([] if self.verbose else [raw(incident.root)])
+                else:
+                    added = sum(1 for _, i in placed if i is incident)
+                    messages[incident.number] = [
+                        f"kv-canary incident #{incident.number}: {added} more row(s) at step {written_step} "
+                        f"({incident.rows} in all), at slots already reported"
+                    ]
+            if self.verbose:
+                messages[incident.number] += [raw(v), incident.label(v)]
+        return ["\n".join(lines) for lines in messages.values()]

@@ -22,7 +22,7 @@ from kvcanary_jax.sharded import _layout
 from kvcanary_jax.sharded import _report as _sharded_report
 from kvcanary_jax.sharded._canary import ShardedKvCanary
 
-_VIOLATION_PREFIX = "kv_canary violation:"  # SGLang's frozen first line
+_VIOLATION_PREFIX = ("kv_canary violation:", "kv-canary incident #")  # SGLang's frozen first line; an incident
 
 
 @dataclasses.dataclass(frozen=True)
