@@ -13,7 +13,7 @@ import numpy as np
 from kvcanary_jax.core import _constants, _incidents, _report
 from kvcanary_jax.core._constants import CanaryMode
 from kvcanary_jax.core._state import u64_pairs_as_int64
-from kvcanary_jax.runtime import _health
+from kvcanary_jax.runtime import _canary, _health
 from kvcanary_jax.runtime._batch import CanaryState
 from kvcanary_jax.runtime._canary import KvCanary
 from pallas_kernels import checks
@@ -24,15 +24,18 @@ _NUM_COUNTER_WORDS = _constants.NUM_LAUNCH_TAGS * 2
 
 
 @jax.jit
-def _snapshot(write_index, verify_overflows, kernel_run_counters, slot_run_counters) -> jax.Array:
+def _snapshot(write_index, verify_overflows, generation, kernel_run_counters, slot_run_counters) -> jax.Array:
     """A fresh i32 copy of what the host polls, so the state itself can be donated to the next step."""
     as_i32 = lambda x: jax.lax.bitcast_convert_type(x, jnp.int32).reshape(-1)  # noqa: E731
-    return jnp.concatenate([write_index, verify_overflows, as_i32(kernel_run_counters), as_i32(slot_run_counters)])
+    return jnp.concatenate(
+        [write_index, verify_overflows, generation, as_i32(kernel_run_counters), as_i32(slot_run_counters)]
+    )
 
 
-def _unpack(values: np.ndarray) -> tuple[int, int, np.ndarray, np.ndarray]:
-    counters = values[2:].view(np.uint32).reshape(2, _constants.NUM_LAUNCH_TAGS, 2)
-    return int(values[0]), int(values[1]), u64_pairs_as_int64(counters[0]), u64_pairs_as_int64(counters[1])
+def _unpack(values: np.ndarray) -> tuple[int, int, int, np.ndarray, np.ndarray]:
+    counters = values[3:].view(np.uint32).reshape(2, _constants.NUM_LAUNCH_TAGS, 2)
+    kernel, slot = u64_pairs_as_int64(counters[0]), u64_pairs_as_int64(counters[1])
+    return int(values[0]), int(values[1]), int(values[2]), kernel, slot
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,6 +98,7 @@ class CanaryMonitor:
         self._pending: collections.deque[tuple[int, int | None, jax.Array]] = collections.deque()
         self._index = 0  # write index as of the last processed snapshot
         self._overflows = 0
+        self._generation = -1  # the newest state's step count seen so far
         self._report: _report.ViolationReport | None = None  # the last pulled ring
         self.user_step: int | None = None  # the caller's number for the latest step, if it passed one
 
@@ -146,6 +150,7 @@ class CanaryMonitor:
         """What the monitor reads: a CanaryState whose ring has the configured capacity."""
         if not isinstance(state, CanaryState):
             raise TypeError(f"state must be a CanaryState (the state the step returned); got {type(state).__name__}")
+        _canary.check_not_donated(state)
         capacity = state.device.violation_log.ring_capacity
         if capacity != self.config.ring_capacity:
             raise ValueError(
@@ -156,14 +161,26 @@ class CanaryMonitor:
     @staticmethod
     def _take_snapshot(state: CanaryState) -> jax.Array:
         d = state.device
+        generation = state.generation if state.generation is not None else jnp.full((1,), -1, jnp.int32)
         return _snapshot(
-            d.violation_log.violation_write_index, state.verify_overflows, d.kernel_run_counters, d.slot_run_counters
+            d.violation_log.violation_write_index,
+            state.verify_overflows,
+            generation,
+            d.kernel_run_counters,
+            d.slot_run_counters,
         )
 
     def _process(
         self, step: int, user_step: int | None, snapshot: jax.Array, state: CanaryState, periodic: bool = True
     ) -> None:
-        index, overflows, kernel, slot = _unpack(np.asarray(snapshot))
+        index, overflows, generation, kernel, slot = _unpack(np.asarray(snapshot))
+        if generation < self._generation:
+            raise ValueError(
+                f"state is older than one the monitor has already seen (it has been through {generation} step(s), "
+                f"an earlier one through {self._generation}): its ring misses the newer violations; pass the state "
+                "the latest step returned"
+            )
+        self._generation = max(self._generation, generation)
         if overflows > self._overflows:
             capacities = {g.name: g.verify_capacity for g in self.canary.groups}
             self.log.warning(

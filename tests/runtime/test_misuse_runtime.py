@@ -244,6 +244,62 @@ def test_a_host_batch_of_numpy_int64_arrays_is_accepted():
     assert out.full.k_head.shape == (NUM_SLOTS, 4, 2) and out.swa.v_tail.shape == (SWA_SLOTS, 4, 2)
 
 
+def test_a_host_integer_that_int32_cannot_hold_is_refused_by_name():
+    """jax narrows an int64 of 2**32 + 5 to 5 without a word (x64 off): the batch refuses it before that."""
+    good = _host_batch()
+    for dtype in (np.int64, np.uint64):
+        slots = np.asarray(good.out_cache_loc, dtype)
+        slots[1] = 2**32 + 5
+        with pytest.raises(ValueError, match=re.escape(
+            f"batch.out_cache_loc holds 4294967301 at index [1], which does not fit the int32 the canary checks "
+            f"(batch.out_cache_loc.dtype={np.dtype(dtype).name}; narrowing would wrap it silently)"
+        )):  # fmt: skip
+            dataclasses.replace(good, out_cache_loc=slots)
+    table = np.asarray(good.req_to_token, np.int64)
+    table[1, 2] = -(2**31) - 1
+    with pytest.raises(ValueError, match=r"batch.req_to_token holds -2147483649 at index \[1, 2\]"):
+        dataclasses.replace(good, req_to_token=table)
+    fits = dataclasses.replace(good, req_to_token=np.asarray(good.req_to_token, np.int64))
+    assert _trace(loop("negative").canary, fits).generation.shape == (1,)
+
+
+def test_a_same_shaped_state_of_another_config_is_refused_at_trace_time():
+    canary = loop("negative").canary
+    mode = "none" if canary.config.real_kv_hash_mode != kc.RealKvHashMode.NONE else "partial"
+    other = kc.KvCanary(dataclasses.replace(canary.config, real_kv_hash_mode=mode), canary.pool).init_state()
+    shapes = lambda state: [x.shape for x in jax.tree.leaves(state)]  # noqa: E731
+    assert shapes(other) == shapes(canary.init_state()), "same shapes: only the fingerprint tells them apart"
+    pattern = r"state was allocated by a canary of another config or pool \(fingerprint 0x[0-9a-f]{8}, this canary's"
+    with pytest.raises(ValueError, match=pattern):
+        _trace(canary, _host_batch(), other)
+    same_records = kc.KvCanary(dataclasses.replace(canary.config, mode="log", backend="xla"), canary.pool)
+    assert _trace(canary, _host_batch(), same_records.init_state()).fingerprint == canary.fingerprint
+
+
+def test_the_monitor_refuses_an_older_state_and_a_donated_one_by_name():
+    lp = loop("none")
+    canary = lp.canary
+    step = jax.jit(canary.before_forward, donate_argnums=0)
+    batch = pack_padded([Request(1, 0, 2, (3, 4))], "none")
+    old = canary.init_state()
+    new = step(canary.init_state(), batch)
+    assert int(new.generation[0]) == 1 and int(old.generation[0]) == 0
+    for check in ("after_step", "final_check"):
+        monitor = kc.CanaryMonitor(dataclasses.replace(canary, config=dataclasses.replace(canary.config,
+                                                                                          check_lag_steps=0)))
+        monitor.after_step(new)
+        with pytest.raises(ValueError, match=r"state is older than one the monitor has already seen \(it has been "
+                                             r"through 0 step\(s\), an earlier one through 1\)"):  # fmt: skip
+            getattr(monitor, check)(old)
+    donated = canary.init_state()
+    step(donated, batch)
+    gone = r"state was donated to an earlier step and its buffers are gone: use the state that step returned"
+    with pytest.raises(ValueError, match=gone):
+        kc.CanaryMonitor(canary).after_step(donated)
+    with pytest.raises(ValueError, match=gone):
+        canary.before_forward(donated, batch)
+
+
 def _asserting(**config):
     pool = kc.CanaryPool(
         num_slots=NUM_SLOTS, page_size=PAGE_SIZE, max_reqs=TABLE_ROWS, max_context_len=CONTEXT, with_v=False
