@@ -141,6 +141,10 @@ _KV = jnp.zeros((4, 4, 2, 8), jnp.bfloat16)  # [pages, page_size, kv_heads, head
          r"The page_size \(4\) is a later axis: a head-major"),
         # The case: a page size of 8 declared over KV paged by 4 (and the converse).
         (_CANARY, dict(full_k=_KV.reshape(2, 8, 2, 8)), ValueError, r"page_size=4.*got shape \(2, 8, 2, 8\)"),
+        # Pages of 8 with head_dim 4 under page_size=4: the page size is wrong; the layout is not head-major.
+        (_CANARY, dict(full_k=jnp.zeros((2, 8, 2, 4), jnp.bfloat16)), ValueError,
+         r"got shape \(2, 8, 2, 4\)\. Its pages hold 8 slots: if the engine pages KV by 8, the canary's page_size "
+         r"must say so \(CanaryPool.page_size"),
         (_CANARY, dict(full_v=_KV.reshape(8, 2, 2, 8)), ValueError, r"full_v must be .*got shape \(8, 2, 2, 8\)"),
         (_CANARY, dict(full_k=_KV[:3]), ValueError,
          r"full_k holds 3 pages x 4 = 12 slots, fewer than the group's num_slots=16"),
