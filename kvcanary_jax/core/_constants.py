@@ -128,6 +128,10 @@ class InputField(enum.IntEnum):
     OUT_CACHE_LOC = layout.INPUT_FIELD_OUT_CACHE_LOC
     FULL_TO_SWA_INDEX_MAPPING = layout.INPUT_FIELD_FULL_TO_SWA_INDEX_MAPPING
     TOKEN_IDS_LENS = layout.INPUT_FIELD_TOKEN_IDS_LENS
+    # Ours, host-found: a prefix-cache sweep entry (SweepEntries' columns) only a corrupted cache holds.
+    SWEEP_SLOTS = 8
+    SWEEP_POSITIONS = 9
+    SWEEP_PREV_SLOTS = 10
 
 
 class InputProblem(enum.IntEnum):

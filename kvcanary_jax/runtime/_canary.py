@@ -279,12 +279,14 @@ class KvCanary:
             keeps only resident slots.
 
         Raises:
-          TypeError, ValueError: for entries or a table that are not integer arrays of the documented shapes, a
-            slot, position or predecessor out of range (naming the entry), more entries than a group has slots, or
-            a missing table.
+          TypeError, ValueError: for entries or a table that are not integer arrays of the documented shapes, more
+            entries than a group has slots, or a missing table. A slot 0 or a slot, predecessor or position out of
+            range is engine data (a corrupted prefix cache): the plan carries it to the sweep, which reports it as
+            an ``INVALID_INPUT`` row and checks the other entries.
         """
         full, *rest = self.groups
-        full_plan = _sweep.pack_entries(entries, full.num_slots, what="FULL sweep")  # checks the entries first
+        entries, issues = _sweep.split_entries(entries, full.num_slots)  # bad engine data -> INVALID_INPUT rows
+        full_plan = _sweep.pack_entries(entries, full.num_slots, what="FULL sweep")
         swa_plan = None
         if rest:
             if full_to_swa_index_mapping is None:
@@ -294,7 +296,7 @@ class KvCanary:
             )
             swa_entries = _sweep.translate_entries(entries, lut)
             swa_plan = _sweep.pack_entries(swa_entries, rest[0].num_slots, what="SWA sweep")
-        return _sweep.SweepPlan(full=full_plan, swa=swa_plan)
+        return _sweep.SweepPlan(full=full_plan, swa=swa_plan, issues=issues)
 
     @mesh.entry_point("state", "plan")
     def sweep(self, state: CanaryState, plan: _sweep.SweepPlan, kv_cache_sources: _pool.KvSources) -> CanaryState:
@@ -315,6 +317,10 @@ class KvCanary:
         if not isinstance(plan, _sweep.SweepPlan):
             raise TypeError(f"plan must be a SweepPlan (see KvCanary.sweep_plan); got {type(plan).__name__}")
         device = state.device
+        if plan.issues is not None:  # before the launches, as the HEAD's input rows
+            tag = self.groups[0].tag(Phase.SWEEP, Half.K)
+            flags, build_rows = _inputs.Issues.unstacked(plan.issues).launch_rows(tag)
+            device = dataclasses.replace(device, violation_log=_ops.append(device.violation_log, flags, build_rows))
         for g in self.groups:
             group_plan = getattr(plan, g.name)
             if group_plan is None:

@@ -449,13 +449,6 @@ def _entries(slots=(3, 4), positions=(0, 1), prev=(-1, 3)):
     [
         ((np.array([3]), np.array([0]), np.array([-1])), LUT, TypeError,
          r"FULL sweep: entries must be SweepEntries \(e.g. from walk_prefix_tree\); got tuple"),
-        (_entries(slots=(3, 99)), LUT, ValueError,
-         rf"FULL sweep: SweepEntries.slots\[1\] = 99 is out of range \(slots are 1..{NUM_SLOTS - 1}"),
-        (_entries(slots=(-3, 4)), LUT, ValueError, r"SweepEntries.slots\[0\] = -3 is out of range"),
-        (_entries(slots=(0, 4)), LUT, ValueError, r"SweepEntries.slots\[0\] = 0 .*slot 0 is the reserved padding slot"),
-        (_entries(positions=(0, -1)), LUT, ValueError, r"SweepEntries.positions\[1\] = -1 is out of range"),
-        (_entries(prev=(-1, 40)), LUT, ValueError, r"SweepEntries.prev_slots\[1\] = 40 is out of range"),
-        (_entries(prev=(-2, 3)), LUT, ValueError, r"SweepEntries.prev_slots\[0\] = -2"),
         (_entries()._replace(positions=np.zeros(3, np.int32)), LUT, ValueError,
          r"SweepEntries fields must have one length; got slots=2, positions=3"),
         (_entries()._replace(slots=np.array([3.0, 4.0])), LUT, TypeError,
@@ -473,6 +466,29 @@ def _entries(slots=(3, 4), positions=(0, 1), prev=(-1, 3)):
 def test_sweep_plan_names_every_bad_entry(entries, lut, error, pattern):
     with pytest.raises(error, match=pattern):
         loop("negative").canary.sweep_plan(entries, lut)
+
+
+def test_a_corrupt_prefix_cache_entry_is_an_invalid_input_row_and_the_rest_of_the_sweep_runs():
+    """Before: slot 0 (or a slot past the pool) in a radix entry raised ValueError on the host, stopping a served
+    engine's scheduler even in log mode. It is engine data: one INVALID_INPUT row each, the other entries checked."""
+    lp = loop("negative")
+    kv, state = lp.run(pack_padded(prefill([Request(1, 3, 0, (5, 6, 7))]), "negative"))
+    bad = _entries(slots=(5, 0, 6, 99, 7, 8), positions=(0, 9, 1, 9, 2, -4), prev=(-1, 5, 5, 6, 6, 40))
+    plan = lp.canary.sweep_plan(bad, LUT)
+    assert int(plan.full.num_valid[0]) == int(plan.swa.num_valid[0]) == 3
+    full = testing.flip_kv_byte(kv[0], 6, page_size=PAGE_SIZE)
+    report = kc.read_violations(lp.sweep((full, kv[1]), state, plan).violation_log)
+    inputs = [kc.format_violation(v, total=0, overflowed=False).split("  input: ")[1].split("\n")[0]
+              for v in report.violations if v.fail_reason & INVALID]  # fmt: skip
+    assert inputs == [
+        "prefix-cache sweep entry SweepEntries.slots[1] (slot 0, position 9) = 0 is the reserved padding slot 0, "
+        "inside a request",
+        f"prefix-cache sweep entry SweepEntries.slots[3] (slot 99, position 9) = 99 is out of range (limit {NUM_SLOTS})",
+        "prefix-cache sweep entry SweepEntries.positions[5] (slot 8, position -4) = -4 is negative",
+    ]
+    assert {v.launch_tag for v in report.violations if v.fail_reason & INVALID} == {kc.CanaryLaunchTag.SWEEP_K_FULL}
+    expect_violation(report, tag="SWEEP_K_FULL", reason="verify_real_kv_hash", slot=6)  # the rest still ran
+    assert report.write_index == 3 + 2  # the three bad entries, then slot 6's K and V rows
 
 
 def test_a_correct_sweep_is_silent_and_finds_an_idle_fault():
