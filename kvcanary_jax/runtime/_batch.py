@@ -74,12 +74,13 @@ _INT32 = np.iinfo(np.int32)
 
 
 def _check_fits_int32(name: str, x) -> None:
-    """A host integer array wider than int32 must fit it: jax narrows it silently (2**32 + 5 becomes 5).
+    """A host signed integer array wider than int32 must fit it: jax narrows it silently (2**32 + 5 becomes 5).
+    (An unsigned array keeps an unsigned dtype, which the step refuses by name.)
 
     Only concrete numpy values are seen here (a jax array is int32 already, a tracer has no values); so build the
     batch on the host from the engine's arrays, before they cross a jit boundary, which narrows them unchecked.
     """
-    if not isinstance(x, np.ndarray) or x.dtype.kind not in "iu" or np.can_cast(x.dtype, np.int32) or not x.size:
+    if not isinstance(x, np.ndarray) or x.dtype.kind != "i" or np.can_cast(x.dtype, np.int32) or not x.size:
         return
     bad = np.flatnonzero((x.reshape(-1) < _INT32.min) | (x.reshape(-1) > _INT32.max))
     if bad.size:
