@@ -147,34 +147,6 @@ def pack_entries(entries: SweepEntries, capacity: int, *, what: str = "sweep") -
     )
 
 
-def _check_capacity(n: int, capacity: int, what: str) -> None:
-    if n > capacity:
-        raise ValueError(
-            f"{what}: {n} entries exceed the sweep capacity of {capacity} (the group's slot count); a slot must "
-            "appear at most once, so de-duplicate shared prefixes"
-        )
-
-
-def _check_entries(entries: SweepEntries, num_slots: int, what: str) -> None:
-    """Host checks: 1-D integer columns of one length, slots in ``[1, num_slots)``, predecessors -1, 0 or a slot,
-    positions >= 0."""
-    if not isinstance(entries, SweepEntries):
-        raise TypeError(
-            f"{what}: entries must be SweepEntries (e.g. from walk_prefix_tree); got {type(entries).__name__}"
-        )
-    slots, positions, prev = (np.asarray(x) for x in entries)
-    for name, x in zip(SweepEntries._fields, (slots, positions, prev), strict=True):
-        if not np.issubdtype(x.dtype, np.integer):
-            raise TypeError(f"{what}: SweepEntries.{name} must hold integers; got dtype {x.dtype}")
-        if x.ndim != 1:
-            raise ValueError(f"{what}: SweepEntries.{name} must have 1 dimension; got shape {x.shape}")
-    if not (len(slots) == len(positions) == len(prev)):
-        raise ValueError(
-            f"{what}: SweepEntries fields must have one length; got slots={len(slots)}, positions={len(positions)}, "
-            f"prev_slots={len(prev)}"
-        )
-
-
 def split_entries(entries: SweepEntries, num_slots: int, what: str = "FULL sweep") -> tuple[SweepEntries, jax.Array]:
     """The entries a sweep can check, and an ``INVALID_INPUT`` issue (i32[8, num_slots]) for each one it cannot.
 
