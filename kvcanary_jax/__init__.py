@@ -70,6 +70,15 @@ from kvcanary_jax.sharded import (
     stacked,
 )
 
+
+def _public(names: list[str], module: str) -> None:
+    """Public classes show the module users import them from (``kvcanary_jax.KvCanaryViolationError``)."""
+    for name in names:
+        value = globals()[name] if module == __name__ else getattr(testing, name)
+        if isinstance(value, type) and value.__module__.startswith("kvcanary_jax."):
+            value.__module__ = module
+
+
 __all__ = [
     # Wrap a decode loop: the canary, its state and batch, the pool, real-KV sources, sweeps, fence, the monitor.
     "AdoptEntries",
@@ -135,3 +144,6 @@ __all__ = [
     "RealKvHashMode",
     "launch_tag",
 ]
+
+_public(__all__, __name__)
+_public(testing.__all__, testing.__name__)

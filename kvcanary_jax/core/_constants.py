@@ -83,6 +83,39 @@ class FailReason(enum.IntFlag):
     SHARD_CHAIN_MISMATCH = 1 << 6
     # a batch input the canary cannot check as given: out of range, negative, or a reserved row or slot in use.
     INVALID_INPUT = layout.FAIL_INVALID_INPUT
+    # Aliases: the names reports print (SGLang's ``verify_chain_hash`` ...), so a printed name is a member too.
+    VERIFY_CHAIN_HASH = VERIFY_CHAIN_HASH_MISMATCH
+    VERIFY_POSITION = VERIFY_POSITION_MISMATCH
+    VERIFY_REAL_KV_HASH = VERIFY_REAL_KV_HASH_MISMATCH
+    WRITE_TOKEN = WRITE_TOKEN_MISMATCH
+    WRITE_POSITION = WRITE_POSITION_MISMATCH
+    VERIFY_TOKEN = VERIFY_TOKEN_MISMATCH
+    SHARD_CHAIN = SHARD_CHAIN_MISMATCH
+
+    @property
+    def label(self) -> str:
+        """The printed name of a single reason, e.g. ``verify_real_kv_hash`` (reasons joined by ``+``)."""
+        return "+".join(r.name.lower().removesuffix("_mismatch") for r in FailReason if self & r)
+
+    @classmethod
+    def parse(cls, reason: FailReason | str, *, argument: str = "reason") -> FailReason:
+        """A member, its name or its printed name (``"verify_real_kv_hash"``; several joined by ``+``).
+
+        Raises:
+          TypeError, ValueError: naming ``argument`` and the value received.
+        """
+        if isinstance(reason, cls):
+            return reason
+        if not isinstance(reason, str):
+            raise TypeError(f"{argument} must be a FailReason or its printed name; got {argument}={reason!r}")
+        bits = cls(0)
+        for part in reason.split("+"):
+            member = cls.__members__.get(part.strip().upper())
+            if member is None:
+                names = ", ".join(sorted(r.label for r in cls))
+                raise ValueError(f"{argument} must be a FailReason or one of {names}; got {argument}={reason!r}")
+            bits |= member
+        return bits
 
 
 class InputField(enum.IntEnum):
@@ -95,6 +128,10 @@ class InputField(enum.IntEnum):
     OUT_CACHE_LOC = layout.INPUT_FIELD_OUT_CACHE_LOC
     FULL_TO_SWA_INDEX_MAPPING = layout.INPUT_FIELD_FULL_TO_SWA_INDEX_MAPPING
     TOKEN_IDS_LENS = layout.INPUT_FIELD_TOKEN_IDS_LENS
+    # Ours, host-found: a prefix-cache sweep entry (SweepEntries' columns) only a corrupted cache holds.
+    SWEEP_SLOTS = layout.INPUT_FIELD_SWEEP_SLOTS
+    SWEEP_POSITIONS = layout.INPUT_FIELD_SWEEP_POSITIONS
+    SWEEP_PREV_SLOTS = layout.INPUT_FIELD_SWEEP_PREV_SLOTS
     # an adopted entry's slot / predecessor slot (KvCanary.adopt)
     ADOPT_SLOTS = layout.INPUT_FIELD_ADOPT_SLOTS
     ADOPT_PREV_SLOTS = layout.INPUT_FIELD_ADOPT_PREV_SLOTS

@@ -73,6 +73,9 @@ def input_line(v) -> str:
         where = f"full_to_swa_index_mapping[{v.slot_idx}] (request row {v.expected_aux}, position {v.position})"
     elif field is InputField.OUT_CACHE_LOC:
         where = f"out_cache_loc[{entry}] (request row {v.expected_aux}, position {v.position})"
+    elif field.name.startswith("SWEEP_"):
+        column = field.name.removeprefix("SWEEP_").lower()
+        where = f"prefix-cache sweep entry SweepEntries.{column}[{entry}] (slot {v.slot_idx}, position {v.position})"
     else:
         where = f"{field.name.lower()}[{entry}]"
     return f"{where} = {value} " + _PROBLEMS[problem].format(limit=limit)

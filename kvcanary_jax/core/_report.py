@@ -7,7 +7,7 @@ import dataclasses
 import numpy as np
 
 from kvcanary_jax.core import _constants as constants
-from kvcanary_jax.core import _explain
+from kvcanary_jax.core import _explain, _incidents
 from kvcanary_jax.core._constants import CanaryLaunchTag, FailReason
 from kvcanary_jax.core._state import ViolationLog, u64_pairs_as_int64
 from pallas_kernels import checks
@@ -67,7 +67,7 @@ class Violation:
     @property
     def reason_labels(self) -> list[str]:
         """Lower-case reason names without the ``_mismatch`` suffix, e.g. ``verify_chain_hash``."""
-        return [r.name.lower().removesuffix("_mismatch") for r in FailReason if self.fail_reason & r]
+        return [r.label for r in FailReason if self.fail_reason & r]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,13 +90,21 @@ class ViolationReport:
             for v in self.violations[start:]
         ]
 
+    @property
+    def incidents(self) -> list[_incidents.Incident]:
+        """The rows grouped by the fault behind them (steps unknown: the ring does not keep them)."""
+        return _incidents.group(self.violations)
+
 
 class KvCanaryViolationError(RuntimeError):
-    """Raised in ``raise`` mode; ``.report`` holds the decoded :class:`ViolationReport`."""
+    """Raised in ``raise`` mode; ``.report`` holds the decoded :class:`ViolationReport` (every raw row),
+    ``.incidents`` the rows grouped by fault."""
 
-    def __init__(self, report: ViolationReport, message: str | None = None):
+    def __init__(self, report: ViolationReport, message: str | None = None, incidents=None):
         super().__init__(message if message is not None else "\n".join(report.format()))
         self.report = report
+        # A sharded report groups nothing yet (its rows are per device): its error has no incidents.
+        self.incidents = list(incidents) if incidents is not None else getattr(report, "incidents", [])
 
 
 def read_violations(violation_log: ViolationLog) -> ViolationReport:

@@ -443,8 +443,13 @@ def wrap(worker, config: kc.CanaryConfig, *, tree_cache=None, table_width: int |
     """
     require_sglang_jax()
     _check_engine(worker, config)
-    if table_width is not None and (not isinstance(table_width, int) or table_width < 1):
-        raise ValueError(f"table_width must be a positive int; got table_width={table_width!r}")
+    if table_width is not None:  # a narrower table would report every longer request as INVALID_INPUT
+        context = int(worker.model_runner.model_config.context_len)
+        if not isinstance(table_width, int) or isinstance(table_width, bool) or table_width < context:
+            raise ValueError(
+                f"table_width must be a positive int of at least the engine's longest request (model_config."
+                f"context_len={context}); got table_width={table_width!r}"
+            )
     if config.sweep_interval > 0 and tree_cache is None:
         raise ValueError(
             f"config.sweep_interval={config.sweep_interval} sweeps the radix cache: pass tree_cache=<the "

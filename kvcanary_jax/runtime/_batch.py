@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 import jax
+import numpy as np
 
 from kvcanary_jax.core._state import CanaryDeviceState, ViolationLog
 from kvcanary_jax.runtime import _pool
@@ -64,6 +65,32 @@ class CanaryBatch:
     token_ids: jax.Array | None = None
     token_ids_lens: jax.Array | None = None
 
+    def __post_init__(self):
+        for field in dataclasses.fields(self):
+            _check_fits_int32(f"batch.{field.name}", getattr(self, field.name))
+
+
+_INT32 = np.iinfo(np.int32)
+
+
+def _check_fits_int32(name: str, x) -> None:
+    """A host signed integer array wider than int32 must fit it: jax narrows it silently (2**32 + 5 becomes 5).
+    (An unsigned array keeps an unsigned dtype, which the step refuses by name.)
+
+    Only concrete numpy values are seen here (a jax array is int32 already, a tracer has no values); so build the
+    batch on the host from the engine's arrays, before they cross a jit boundary, which narrows them unchecked.
+    """
+    if not isinstance(x, np.ndarray) or x.dtype.kind != "i" or np.can_cast(x.dtype, np.int32) or not x.size:
+        return
+    bad = np.flatnonzero((x.reshape(-1) < _INT32.min) | (x.reshape(-1) > _INT32.max))
+    if bad.size:
+        at = tuple(int(i) for i in np.unravel_index(bad[0], x.shape))
+        raise ValueError(
+            f"{name} holds {int(x[at])} at index {list(at)}, which does not fit the int32 the canary checks "
+            f"({name}.dtype={x.dtype.name}; narrowing would wrap it silently): the engine's value is corrupt or not "
+            "a slot/row/length"
+        )
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
@@ -75,12 +102,18 @@ class CanaryState:
       full: FULL-group buffers (None when the canary is off).
       swa: SWA-group buffers (None without an SWA group or when off).
       verify_overflows: i32[1] per-forward verify plans that overflowed their capacity and were skipped.
+      generation: i32[1] steps this state has been through (``before_forward`` adds one), so the monitor can
+        refuse a state older than one it has seen; None in a state built by hand.
+      fingerprint: static (pytree metadata, seen at trace time): the config and pool of the canary that allocated
+        the state, so a canary refuses a same-shaped state of another config; None in a state built by hand.
     """
 
     device: CanaryDeviceState
     full: _pool.GroupBuffers | None
     swa: _pool.GroupBuffers | None
     verify_overflows: jax.Array
+    generation: jax.Array | None = None
+    fingerprint: int | None = dataclasses.field(default=None, metadata={"static": True})
 
     @property
     def violation_log(self) -> ViolationLog:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import zlib
 
 import jax
 import jax.numpy as jnp
@@ -50,6 +51,19 @@ def _phase(value) -> Phase:
     if checks.is_int(value) and int(value) in Phase._value2member_map_:
         return Phase(int(value))
     raise ValueError(f"phases must hold Phase members or their names {list(Phase.__members__)}; got {value!r}")
+
+
+def check_not_donated(state: CanaryState) -> None:
+    """A concrete state whose buffers a jitted step took (donated) is used again: name it, not 'argument 2'."""
+    for leaf in jax.tree.leaves(state):
+        if isinstance(leaf, jax.Array) and not isinstance(leaf, jax.core.Tracer) and leaf.is_deleted():
+            raise ValueError(DONATED_STATE)
+
+
+DONATED_STATE = (
+    "state was donated to an earlier step and its buffers are gone: use the state that step returned "
+    "(state = step(..., state, ...)), not the one passed in"
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,6 +99,15 @@ class KvCanary:
     @property
     def groups(self) -> tuple[_pool.Group, ...]:
         return self.pool.groups
+
+    @property
+    def fingerprint(self) -> int:
+        """What a state's records mean: the pool and the config fields the launches read (not the host's mode,
+        periods or backend, which any canary of the same records may differ in)."""
+        c = self.config
+        fields = (self.pool, c.ring_capacity, c.real_kv_hash_mode, c.enable_write_input_assert,
+                  c.enable_verify_token_assert)  # fmt: skip
+        return zlib.crc32(repr(fields).encode())
 
     @property
     def halves(self) -> tuple[Half, ...]:
@@ -169,7 +192,10 @@ class KvCanary:
                     v_head=allocate_canary_buffer(g.num_slots) if v else None,
                     v_tail=allocate_canary_buffer(g.num_slots) if v else None,
                 )
-        return CanaryState(device=device, verify_overflows=jnp.zeros((1,), jnp.int32), **buffers)
+        zero = lambda: jnp.zeros((1,), jnp.int32)  # noqa: E731  (one buffer each: both are donated)
+        return CanaryState(
+            device=device, verify_overflows=zero(), generation=zero(), fingerprint=self.fingerprint, **buffers
+        )
 
     def mark_init_finished(self, state: CanaryState) -> CanaryState:
         """Turns on the write-time chain-position assert after warm-up; a device value, so nothing retraces."""
@@ -213,6 +239,8 @@ class KvCanary:
         if not self.enabled:
             return state
         batch = self._checked_batch(state, batch)
+        if state.generation is not None:
+            state = dataclasses.replace(state, generation=state.generation + 1)
         rows = self._rows(state, batch)
         state = self._update_expected_tokens(state, batch, rows)
         for g in self.groups:
@@ -251,12 +279,14 @@ class KvCanary:
             keeps only resident slots.
 
         Raises:
-          TypeError, ValueError: for entries or a table that are not integer arrays of the documented shapes, a
-            slot, position or predecessor out of range (naming the entry), more entries than a group has slots, or
-            a missing table.
+          TypeError, ValueError: for entries or a table that are not integer arrays of the documented shapes, more
+            entries than a group has slots, or a missing table. A slot 0 or a slot, predecessor or position out of
+            range is engine data (a corrupted prefix cache): the plan carries it to the sweep, which reports it as
+            an ``INVALID_INPUT`` row and checks the other entries.
         """
         full, *rest = self.groups
-        full_plan = _sweep.pack_entries(entries, full.num_slots, what="FULL sweep")  # checks the entries first
+        entries, issues = _sweep.split_entries(entries, full.num_slots)  # bad engine data -> INVALID_INPUT rows
+        full_plan = _sweep.pack_entries(entries, full.num_slots, what="FULL sweep")
         swa_plan = None
         if rest:
             if full_to_swa_index_mapping is None:
@@ -266,7 +296,7 @@ class KvCanary:
             )
             swa_entries = _sweep.translate_entries(entries, lut)
             swa_plan = _sweep.pack_entries(swa_entries, rest[0].num_slots, what="SWA sweep")
-        return _sweep.SweepPlan(full=full_plan, swa=swa_plan)
+        return _sweep.SweepPlan(full=full_plan, swa=swa_plan, issues=issues)
 
     @mesh.entry_point("state", "plan")
     def sweep(self, state: CanaryState, plan: _sweep.SweepPlan, kv_cache_sources: _pool.KvSources) -> CanaryState:
@@ -287,6 +317,10 @@ class KvCanary:
         if not isinstance(plan, _sweep.SweepPlan):
             raise TypeError(f"plan must be a SweepPlan (see KvCanary.sweep_plan); got {type(plan).__name__}")
         device = state.device
+        if plan.issues is not None:  # before the launches, as the HEAD's input rows
+            tag = self.groups[0].tag(Phase.SWEEP, Half.K)
+            flags, build_rows = _inputs.Issues.unstacked(plan.issues).launch_rows(tag)
+            device = dataclasses.replace(device, violation_log=_ops.append(device.violation_log, flags, build_rows))
         for g in self.groups:
             group_plan = getattr(plan, g.name)
             if group_plan is None:
@@ -566,6 +600,7 @@ class KvCanary:
         if not self.enabled:
             return
         hint = "it was allocated by another canary; use this canary's init_state()"
+        check_not_donated(state)
         capacity = state.device.violation_log.ring_capacity
         if capacity != self.config.ring_capacity:
             raise ValueError(
@@ -590,6 +625,12 @@ class KvCanary:
                         checks.array(name, buf, dtype=jnp.uint32, shape=(g.num_slots, 4, 2))
                     elif buf is not None:
                         raise ValueError(f"{name} is set but CanaryPool.with_v is False: {hint}")
+        if state.fingerprint is not None and state.fingerprint != self.fingerprint:
+            raise ValueError(
+                f"state was allocated by a canary of another config or pool (fingerprint {state.fingerprint:#010x}, "
+                f"this canary's {self.fingerprint:#010x}): its records mean something else here; use this canary's "
+                "init_state()"
+            )
 
     def _checked_batch(self, state, batch) -> CanaryBatch:
         """Checks the batch's arrays and what the config needs of it; returns it with every field a jax array.

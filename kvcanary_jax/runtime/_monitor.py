@@ -10,10 +10,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvcanary_jax.core import _constants, _report
+from kvcanary_jax.core import _constants, _incidents, _report
 from kvcanary_jax.core._constants import CanaryMode
 from kvcanary_jax.core._state import u64_pairs_as_int64
-from kvcanary_jax.runtime import _health
+from kvcanary_jax.runtime import _canary, _health
 from kvcanary_jax.runtime._batch import CanaryState
 from kvcanary_jax.runtime._canary import KvCanary
 from pallas_kernels import checks
@@ -24,15 +24,18 @@ _NUM_COUNTER_WORDS = _constants.NUM_LAUNCH_TAGS * 2
 
 
 @jax.jit
-def _snapshot(write_index, verify_overflows, kernel_run_counters, slot_run_counters) -> jax.Array:
+def _snapshot(write_index, verify_overflows, generation, kernel_run_counters, slot_run_counters) -> jax.Array:
     """A fresh i32 copy of what the host polls, so the state itself can be donated to the next step."""
     as_i32 = lambda x: jax.lax.bitcast_convert_type(x, jnp.int32).reshape(-1)  # noqa: E731
-    return jnp.concatenate([write_index, verify_overflows, as_i32(kernel_run_counters), as_i32(slot_run_counters)])
+    return jnp.concatenate(
+        [write_index, verify_overflows, generation, as_i32(kernel_run_counters), as_i32(slot_run_counters)]
+    )
 
 
-def _unpack(values: np.ndarray) -> tuple[int, int, np.ndarray, np.ndarray]:
-    counters = values[2:].view(np.uint32).reshape(2, _constants.NUM_LAUNCH_TAGS, 2)
-    return int(values[0]), int(values[1]), u64_pairs_as_int64(counters[0]), u64_pairs_as_int64(counters[1])
+def _unpack(values: np.ndarray) -> tuple[int, int, int, np.ndarray, np.ndarray]:
+    counters = values[3:].view(np.uint32).reshape(2, _constants.NUM_LAUNCH_TAGS, 2)
+    kernel, slot = u64_pairs_as_int64(counters[0]), u64_pairs_as_int64(counters[1])
+    return int(values[0]), int(values[1]), int(values[2]), kernel, slot
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,9 +62,12 @@ class CanaryMonitor:
 
     After each step it snapshots the write index (and counters) on device and starts an async copy to the host;
     it reads that copy ``config.check_lag_steps`` steps later and pulls the ring only when the index grew. In
-    ``log`` mode each new violation is one WARNING; in ``raise`` mode the first read that finds new violations raises
-    :class:`KvCanaryViolationError`. Every ``health_check_every_n_steps`` it raises :class:`KvCanaryHealthError` (in
-    every mode) if a launch tag stopped running; every ``stats_every_n_steps`` it logs SGLang's stats line.
+    ``log`` mode each incident a read touches is one WARNING; in ``raise`` mode the first read that finds new
+    violations raises :class:`KvCanaryViolationError`. Messages lead with one headline per incident (a fault and the
+    rows it explains, see :mod:`kvcanary_jax.core._incidents`), then SGLang's lines of its root row; rows of an
+    incident already reported show only as a count (``verbose=True`` adds SGLang's lines of every row). Every
+    ``health_check_every_n_steps`` it raises :class:`KvCanaryHealthError` (in every mode) if a launch tag stopped
+    running; every ``stats_every_n_steps`` it logs SGLang's stats line.
 
     Call :meth:`after_step` once per outer step, after the step (and a sweep, if one ran), before the state is
     donated again; call :meth:`final_check` at shutdown.
@@ -69,14 +75,21 @@ class CanaryMonitor:
     Args:
       canary: the :class:`KvCanary` whose state is polled.
       log: where messages go; default the ``kvcanary_jax.monitor`` logger.
+      verbose: also show SGLang's lines of every row, each labelled with its incident.
     """
 
-    def __init__(self, canary: KvCanary, *, log: logging.Logger | logging.LoggerAdapter | None = None):
+    def __init__(
+        self, canary: KvCanary, *, log: logging.Logger | logging.LoggerAdapter | None = None, verbose: bool = False
+    ):
         if not isinstance(canary, KvCanary):
             raise TypeError(f"canary must be a KvCanary; got {type(canary).__name__}")
         if log is not None and not isinstance(log, (logging.Logger, logging.LoggerAdapter)):
             raise TypeError(f"log must be a logging.Logger or LoggerAdapter (or None); got log={log!r}")
+        if not isinstance(verbose, bool):
+            raise TypeError(f"verbose must be a bool; got verbose={verbose!r}")
         self.canary = canary
+        self.verbose = verbose
+        self.incidents = _incidents.Incidents()
         self.config = canary.config
         self.log = log or logger
         self.step = 0
@@ -85,6 +98,7 @@ class CanaryMonitor:
         self._pending: collections.deque[tuple[int, int | None, jax.Array]] = collections.deque()
         self._index = 0  # write index as of the last processed snapshot
         self._overflows = 0
+        self._generation = -1  # the newest state's step count seen so far
         self._report: _report.ViolationReport | None = None  # the last pulled ring
         self.user_step: int | None = None  # the caller's number for the latest step, if it passed one
 
@@ -136,6 +150,7 @@ class CanaryMonitor:
         """What the monitor reads: a CanaryState whose ring has the configured capacity."""
         if not isinstance(state, CanaryState):
             raise TypeError(f"state must be a CanaryState (the state the step returned); got {type(state).__name__}")
+        _canary.check_not_donated(state)
         capacity = state.device.violation_log.ring_capacity
         if capacity != self.config.ring_capacity:
             raise ValueError(
@@ -146,14 +161,26 @@ class CanaryMonitor:
     @staticmethod
     def _take_snapshot(state: CanaryState) -> jax.Array:
         d = state.device
+        generation = state.generation if state.generation is not None else jnp.full((1,), -1, jnp.int32)
         return _snapshot(
-            d.violation_log.violation_write_index, state.verify_overflows, d.kernel_run_counters, d.slot_run_counters
+            d.violation_log.violation_write_index,
+            state.verify_overflows,
+            generation,
+            d.kernel_run_counters,
+            d.slot_run_counters,
         )
 
     def _process(
         self, step: int, user_step: int | None, snapshot: jax.Array, state: CanaryState, periodic: bool = True
     ) -> None:
-        index, overflows, kernel, slot = _unpack(np.asarray(snapshot))
+        index, overflows, generation, kernel, slot = _unpack(np.asarray(snapshot))
+        if generation < self._generation:
+            raise ValueError(
+                f"state is older than one the monitor has already seen (it has been through {generation} step(s), "
+                f"an earlier one through {self._generation}): its ring misses the newer violations; pass the state "
+                "the latest step returned"
+            )
+        self._generation = max(self._generation, generation)
         if overflows > self._overflows:
             capacities = {g.name: g.verify_capacity for g in self.canary.groups}
             self.log.warning(
@@ -188,18 +215,38 @@ class CanaryMonitor:
         self.observed.extend(new)
         now = self.step if self.user_step is None else self.user_step
         written = step if user_step is None else user_step
-        messages = [
-            _report.format_violation(
-                o.violation, total=index, overflowed=index > capacity, step=now, written_step=written
-            )
-            for o in new
-        ]
+        messages = self._messages([o.violation for o in new], total=index, step=now, written_step=written)
         if dropped:
             messages.append(
                 f"kv-canary: {dropped} more violation(s) at step={written} were dropped: the ring "
                 f"(ring_capacity={capacity}) is full"
             )
         if self.config.mode is CanaryMode.RAISE:
-            raise _report.KvCanaryViolationError(_report.read_violations(state.violation_log), "\n".join(messages))
+            raise _report.KvCanaryViolationError(
+                _report.read_violations(state.violation_log), "\n".join(messages), self.incidents.incidents
+            )
         for message in messages:
             self.log.warning(message)
+
+    def _messages(self, rows: list[_report.Violation], *, total: int, step: int, written_step: int) -> list[str]:
+        """One message per incident the rows touch: a new one's headline and root row, an old one's new count."""
+        opened = len(self.incidents.incidents)
+        placed = self.incidents.add(rows, step=written_step)
+        overflowed = total > self.config.ring_capacity
+        raw = lambda v: _report.format_violation(  # noqa: E731
+            v, total=total, overflowed=overflowed, step=step, written_step=written_step
+        )
+        messages = {}
+        for v, incident in placed:
+            if incident.number not in messages:
+                if incident.number > opened:
+                    messages[incident.number] = [incident.headline()] + ([] if self.verbose else [raw(incident.root)])
+                else:
+                    added = sum(1 for _, i in placed if i is incident)
+                    messages[incident.number] = [
+                        f"kv-canary incident #{incident.number}: {added} more row(s) at step {written_step} "
+                        f"({incident.rows} in all), at slots already reported"
+                    ]
+            if self.verbose:
+                messages[incident.number] += [raw(v), incident.label(v)]
+        return ["\n".join(lines) for lines in messages.values()]

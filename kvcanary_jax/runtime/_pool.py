@@ -210,10 +210,15 @@ def check_paged_kv(arg: str, kv, page_size: int, num_slots: int):
     shape = tuple(kv.shape)
     if len(shape) < 2 or shape[1] != page_size:
         hint = ""
-        if page_size in shape[2:]:
+        if len(shape) >= 4 and shape[2] == page_size:  # only the axis after heads; head_dim may equal it too
             hint = (
                 f" The page_size ({page_size}) is a later axis: a head-major [pages, heads, page_size, dim] array "
                 "is not laid out per slot; pass a slot-major view, or a RealKvSource stating the layout."
+            )
+        elif len(shape) >= 2:
+            hint = (
+                f" Its pages hold {shape[1]} slots: if the engine pages KV by {shape[1]}, the canary's page_size "
+                "must say so (CanaryPool.page_size, or SwaGroup.page_size for the SWA group)."
             )
         raise ValueError(
             f"{arg} must be a paged KV array laid out [pages, page_size={page_size}, ...] (CanaryPool.page_size, "

@@ -15,7 +15,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kvcanary_jax.core._constants import InputField, InputProblem
 from kvcanary_jax.core._plans import VerifyPlan
+from kvcanary_jax.runtime._inputs import Issues
 
 _EMPTY = np.zeros(0, np.int32)
 
@@ -115,6 +117,7 @@ class SweepPlan:
 
     full: VerifyPlan
     swa: VerifyPlan | None = None
+    issues: jax.Array | None = None  # i32[8, num_slots]: entries the sweep cannot check (``split_entries``)
 
 
 def pack_entries(entries: SweepEntries, capacity: int, *, what: str = "sweep") -> VerifyPlan:
@@ -124,13 +127,10 @@ def pack_entries(entries: SweepEntries, capacity: int, *, what: str = "sweep") -
       TypeError, ValueError: for entries that are not integer columns of one length holding slots in
         ``[1, capacity)``, or more entries than ``capacity``.
     """
-    check_entries(entries, capacity, what)
+    _check_entries(entries, capacity, what)
     n = len(entries.slots)
-    if n > capacity:
-        raise ValueError(
-            f"{what}: {n} entries exceed the sweep capacity of {capacity} (the group's slot count); a slot must "
-            "appear at most once, so de-duplicate shared prefixes"
-        )
+    _check_capacity(n, capacity, what)
+    _check_values(entries, capacity, what)
 
     def padded(x, fill=0):
         out = np.full(capacity, fill, np.int32)
@@ -147,9 +147,67 @@ def pack_entries(entries: SweepEntries, capacity: int, *, what: str = "sweep") -
     )
 
 
+def split_entries(entries: SweepEntries, num_slots: int, what: str = "FULL sweep") -> tuple[SweepEntries, jax.Array]:
+    """The entries a sweep can check, and an ``INVALID_INPUT`` issue (i32[8, num_slots]) for each one it cannot.
+
+    A slot 0 or a slot past the pool, a predecessor past it, or a negative position comes only from a corrupted
+    prefix cache: it is engine data, not the caller's mistake, so it is reported in the ring (by the sweep) and
+    left out, while the rest of the sweep runs. An entry whose predecessor is bad keeps its slot, unchained (0).
+
+    Raises:
+      TypeError, ValueError: for entries that are not 1-D integer columns of one length (a caller's mistake).
+    """
+    _check_entries(entries, num_slots, what)
+    _check_capacity(len(entries.slots), num_slots, what)
+    slots, positions, prev = (np.asarray(x).astype(np.int64) for x in entries)
+    problem = np.zeros(num_slots, np.int32)
+    names = ("field", "value", "limit", "slot", "position", "entry")
+    columns = {name: np.full(num_slots, -1, np.int64) for name in names}
+    bad = _bad_values(slots, positions, prev, num_slots)
+    found = [
+        (InputField.SWEEP_SLOTS, slots, bad["slots"], num_slots),
+        (InputField.SWEEP_POSITIONS, positions, bad["positions"], -1),
+        (InputField.SWEEP_PREV_SLOTS, prev, bad["prev_slots"], num_slots),
+    ]
+    reported = np.zeros(len(slots), bool)  # one issue per entry (its first problem), so at most num_slots
+    n = 0
+    for field, values, flagged, limit in found:
+        for i in np.flatnonzero(flagged & ~reported):
+            value = int(values[i])
+            if field is InputField.SWEEP_SLOTS and value == 0:
+                problem[n] = InputProblem.RESERVED_SLOT
+            elif field is InputField.SWEEP_POSITIONS:
+                problem[n] = InputProblem.NEGATIVE
+            else:
+                problem[n] = InputProblem.OUT_OF_RANGE
+            row = dict(field=field, value=value, limit=limit, slot=slots[i], position=positions[i], entry=i)
+            for name, x in row.items():
+                columns[name][n] = x
+            reported[i], n = True, n + 1
+    keep = ~(bad["slots"] | bad["positions"])
+    prev = np.where(bad["prev_slots"], 0, prev)
+    issues = Issues.of(jnp.asarray(problem), **{k: jnp.asarray(x.astype(np.int32)) for k, x in columns.items()})
+    good = SweepEntries(*(x[keep].astype(np.int32) for x in (slots, positions, prev)))
+    return good, issues.stacked()
+
+
 def check_entries(entries: SweepEntries, num_slots: int, what: str) -> None:
-    """Host checks: 1-D integer columns of one length, slots in ``[1, num_slots)``, predecessors -1, 0 or a slot,
-    positions >= 0."""
+    """Host checks of entries a caller hands in: 1-D integer columns of one length, slots in ``[1, num_slots)``,
+    predecessors -1, 0 or a slot, positions >= 0."""
+    _check_entries(entries, num_slots, what)
+    _check_values(entries, num_slots, what)
+
+
+def _check_capacity(n: int, capacity: int, what: str) -> None:
+    if n > capacity:
+        raise ValueError(
+            f"{what}: {n} entries exceed the sweep capacity of {capacity} (the group's slot count); a slot must "
+            "appear at most once, so de-duplicate shared prefixes"
+        )
+
+
+def _check_entries(entries: SweepEntries, num_slots: int, what: str) -> None:
+    """Host checks of the caller's part: 1-D integer columns of one length (their values: :func:`_check_values`)."""
     if not isinstance(entries, SweepEntries):
         raise TypeError(
             f"{what}: entries must be SweepEntries (e.g. from walk_prefix_tree); got {type(entries).__name__}"
@@ -165,12 +223,13 @@ def check_entries(entries: SweepEntries, num_slots: int, what: str) -> None:
             f"{what}: SweepEntries fields must have one length; got slots={len(slots)}, positions={len(positions)}, "
             f"prev_slots={len(prev)}"
         )
-    problems = {
-        "slots": (slots < 1) | (slots >= num_slots),
-        "prev_slots": (prev < -1) | (prev >= num_slots),
-        "positions": positions < 0,
-    }
-    for name, bad in problems.items():
+
+
+def _check_values(entries: SweepEntries, num_slots: int, what: str) -> None:
+    """Slots in ``[1, num_slots)``, predecessors -1, 0 or a slot, positions >= 0 (``sweep_plan`` has split off the
+    entries that are not, see :func:`split_entries`; a direct caller gets a ValueError)."""
+    slots, positions, prev = (np.asarray(x) for x in entries)
+    for name, bad in _bad_values(slots, positions, prev, num_slots).items():
         if bad.any():
             i = int(np.flatnonzero(bad)[0])
             value = (slots, prev, positions)[("slots", "prev_slots", "positions").index(name)][i]
@@ -179,3 +238,13 @@ def check_entries(entries: SweepEntries, num_slots: int, what: str) -> None:
                 "is the reserved padding slot; prev_slots may also be -1 for a chain head or 0 for unreachable; "
                 "positions are >= 0)"
             )
+
+
+def _bad_values(slots, positions, prev, num_slots: int) -> dict[str, np.ndarray]:
+    """Per column, the entries no pool holds: a slot outside ``[1, num_slots)``, a predecessor below -1 or past
+    the pool, a negative position."""
+    return {
+        "slots": (slots < 1) | (slots >= num_slots),
+        "prev_slots": (prev < -1) | (prev >= num_slots),
+        "positions": positions < 0,
+    }

@@ -24,7 +24,7 @@ from kvcanary_jax.sharded import _report as _sharded_report
 from kvcanary_jax.sharded._canary import ShardedKvCanary
 from pallas_kernels import checks
 
-_VIOLATION_PREFIX = "kv_canary violation:"  # SGLang's frozen first line
+_VIOLATION_PREFIX = ("kv_canary violation:", "kv-canary incident #")  # SGLang's frozen first line; an incident
 
 
 class _DeviceLog(logging.LoggerAdapter):
@@ -162,6 +162,7 @@ class ShardedCanaryMonitor:
         leaves = (log.violation_ring, log.violation_write_index, d.kernel_run_counters, d.slot_run_counters,
                   state.verify_overflows)  # fmt: skip
         shards = dict(zip(names, (self._shards(x) for x in leaves), strict=True))
+        generations = self._shards(state.generation) if state.generation is not None else {}
         views = {}
         for coords in self.monitors:
             device = dataclasses.replace(
@@ -171,7 +172,9 @@ class ShardedCanaryMonitor:
                 kernel_run_counters=shards["kernel"][coords],
                 slot_run_counters=shards["slot"][coords],
             )  # fmt: skip
-            views[coords] = dataclasses.replace(state, device=device, verify_overflows=shards["overflows"][coords])
+            views[coords] = dataclasses.replace(
+                state, device=device, verify_overflows=shards["overflows"][coords], generation=generations.get(coords)
+            )
         return views
 
     def _shards(self, x: jax.Array) -> dict[_layout.Coords, jax.Array]:

@@ -53,8 +53,8 @@ def assert_no_violations(x: Checkable, *, step: int | None = None) -> None:
       step: the step to name in the message, if known.
 
     Raises:
-      AssertionError: naming the total count and carrying the first violation's report (its first line is
-        SGLang's ``kv_canary violation: ...`` log line).
+      AssertionError: naming the total count, the first incident's headline and its root row's report (whose
+        first line is SGLang's ``kv_canary violation: ...`` log line).
     """
     if step is not None and not checks.is_int(step):
         raise TypeError(f"step must be an int; got step={step!r}")
@@ -63,9 +63,12 @@ def assert_no_violations(x: Checkable, *, step: int | None = None) -> None:
         return
     total = sum(r.write_index for _, r in errored)
     where, first = errored[0]
-    message = format_violation(first.first_violation, total=first.write_index, overflowed=first.overflowed, step=step)
+    incidents = first.incidents
+    root = incidents[0].root
+    message = format_violation(root, total=first.write_index, overflowed=first.overflowed, step=step)
     raise AssertionError(
-        f"assert_no_violations failed: the canary recorded {total} violation(s); the first{where}:\n{message}"
+        f"assert_no_violations failed: the canary recorded {total} violation(s); the first{where} "
+        f"(of {len(incidents)} incident(s) there):\n{incidents[0].headline()}\n{message}"
     )
 
 
@@ -73,7 +76,7 @@ def expect_violation(
     x: Checkable,
     *,
     tag: CanaryLaunchTag | str | None = None,
-    reason: FailReason | None = None,
+    reason: FailReason | str | None = None,
     slot: int | None = None,
 ) -> Violation:
     """Asserts that at least one recorded violation matches; returns the first that does.
@@ -81,7 +84,8 @@ def expect_violation(
     Args:
       x: a state, device state, violation log or report (see the module docstring).
       tag: the launch tag (a :class:`CanaryLaunchTag` or its name, e.g. ``"TAIL_K_FULL"``), or None for any.
-      reason: fail-reason bits the row must all carry (e.g. ``FailReason.VERIFY_REAL_KV_HASH_MISMATCH``).
+      reason: fail-reason bits the row must all carry: members (``FailReason.VERIFY_REAL_KV_HASH``) or the names
+        reports print (``"verify_real_kv_hash"``, several joined by ``+``).
       slot: the row's ``slot_idx``.
 
     Raises:
@@ -96,8 +100,8 @@ def expect_violation(
         if not checks.is_int(tag) or int(tag) not in CanaryLaunchTag._value2member_map_:
             raise ValueError(f"tag must be a CanaryLaunchTag, one of its names or values; got tag={tag!r}")
         tag = CanaryLaunchTag(int(tag))
-    if reason is not None and not isinstance(reason, FailReason):
-        raise TypeError(f"reason must be a FailReason; got reason={reason!r}")
+    if reason is not None:
+        reason = FailReason.parse(reason)
     if slot is not None and not checks.is_int(slot):
         raise TypeError(f"slot must be an int (a row's slot_idx); got slot={slot!r}")
     rows = [v for _, r in _reports(x) for v in r.violations]

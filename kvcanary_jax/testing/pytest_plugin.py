@@ -6,7 +6,8 @@ Enable it in a ``conftest.py``::
 
 then wrap the test's step (or watch states by hand) with the fixture; see :class:`kvcanary_jax.testing.CanaryGuard`.
 The check runs right after the test body, so a violation fails the test itself (not its teardown); a test that
-already failed is not checked again.
+already failed is not checked again. A test that requested the fixture but let it watch no state fails too: it would
+pass whatever its cache held. Failures show the guard's message only (no framework frames, no arrays).
 """
 
 from __future__ import annotations
@@ -16,6 +17,10 @@ import pytest
 from kvcanary_jax.testing._guard import CanaryGuard
 
 _FIXTURE = "kvcanary_guard"
+_UNWIRED = (
+    "kvcanary_guard watched no canary state, so it checked nothing: wrap the jitted step "
+    "(step = kvcanary_guard.wrap(step)) or pass the final state to kvcanary_guard.watch(state)"
+)
 
 
 @pytest.fixture
@@ -29,5 +34,10 @@ def pytest_runtest_call(item: pytest.Item):
     result = yield
     guard = getattr(item, "funcargs", {}).get(_FIXTURE)
     if guard is not None:
-        guard.check()
+        if not guard.watched:
+            pytest.fail(_UNWIRED, pytrace=False)
+        try:
+            guard.check()
+        except AssertionError as e:
+            pytest.fail(str(e), pytrace=False)
     return result

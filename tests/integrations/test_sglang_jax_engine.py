@@ -87,8 +87,10 @@ def test_unmapped_set_ups_are_refused_by_name(worker):
         sglang_jax.wrap(worker, {"mode": "raise"})
     with pytest.raises(ValueError, match="pass tree_cache="):
         sglang_jax.wrap(worker, kc.CanaryConfig(sweep_interval=10))
-    with pytest.raises(ValueError, match="table_width must be a positive int"):
-        sglang_jax.wrap(worker, config, table_width=0)
+    for width in (0, True, 8, worker.model_runner.model_config.context_len - 1):
+        with pytest.raises(ValueError, match=rf"table_width must be a positive int of at least the engine's longest "
+                                             rf"request \(model_config.context_len=\d+\); got table_width={width!r}"):
+            sglang_jax.wrap(worker, config, table_width=width)
     for change, message in [
         ({"dp_size": 2}, r"data parallelism \(dp_size=2"),
         ({"disable_overlap_schedule": False}, "the overlap scheduler"),

@@ -141,6 +141,10 @@ _KV = jnp.zeros((4, 4, 2, 8), jnp.bfloat16)  # [pages, page_size, kv_heads, head
          r"The page_size \(4\) is a later axis: a head-major"),
         # The issue's case: a page size of 8 declared over KV paged by 4 (and the converse).
         (_CANARY, dict(full_k=_KV.reshape(2, 8, 2, 8)), ValueError, r"page_size=4.*got shape \(2, 8, 2, 8\)"),
+        # Pages of 8 with head_dim 4 under page_size=4: the page size is wrong; the layout is not head-major.
+        (_CANARY, dict(full_k=jnp.zeros((2, 8, 2, 4), jnp.bfloat16)), ValueError,
+         r"got shape \(2, 8, 2, 4\)\. Its pages hold 8 slots: if the engine pages KV by 8, the canary's page_size "
+         r"must say so \(CanaryPool.page_size"),
         (_CANARY, dict(full_v=_KV.reshape(8, 2, 2, 8)), ValueError, r"full_v must be .*got shape \(8, 2, 2, 8\)"),
         (_CANARY, dict(full_k=_KV[:3]), ValueError,
          r"full_k holds 3 pages x 4 = 12 slots, fewer than the group's num_slots=16"),
@@ -242,6 +246,61 @@ def test_a_host_batch_of_numpy_int64_arrays_is_accepted():
     host = jax.tree.map(lambda x: np.asarray(x, np.int64), _host_batch())
     out = _trace(canary, host)
     assert out.full.k_head.shape == (NUM_SLOTS, 4, 2) and out.swa.v_tail.shape == (SWA_SLOTS, 4, 2)
+
+
+def test_a_host_integer_that_int32_cannot_hold_is_refused_by_name():
+    """jax narrows an int64 of 2**32 + 5 to 5 without a word (x64 off): the batch refuses it before that."""
+    good = _host_batch()
+    slots = np.asarray(good.out_cache_loc, np.int64)
+    slots[1] = 2**32 + 5
+    with pytest.raises(ValueError, match=re.escape(
+        "batch.out_cache_loc holds 4294967301 at index [1], which does not fit the int32 the canary checks "
+        "(batch.out_cache_loc.dtype=int64; narrowing would wrap it silently)"
+    )):  # fmt: skip
+        dataclasses.replace(good, out_cache_loc=slots)
+    table = np.asarray(good.req_to_token, np.int64)
+    table[1, 2] = -(2**31) - 1
+    with pytest.raises(ValueError, match=r"batch.req_to_token holds -2147483649 at index \[1, 2\]"):
+        dataclasses.replace(good, req_to_token=table)
+    fits = dataclasses.replace(good, req_to_token=np.asarray(good.req_to_token, np.int64))
+    assert _trace(loop("negative").canary, fits).generation.shape == (1,)
+
+
+def test_a_same_shaped_state_of_another_config_is_refused_at_trace_time():
+    canary = loop("negative").canary
+    mode = "none" if canary.config.real_kv_hash_mode != kc.RealKvHashMode.NONE else "partial"
+    other = kc.KvCanary(dataclasses.replace(canary.config, real_kv_hash_mode=mode), canary.pool).init_state()
+    shapes = lambda state: [x.shape for x in jax.tree.leaves(state)]  # noqa: E731
+    assert shapes(other) == shapes(canary.init_state()), "same shapes: only the fingerprint tells them apart"
+    pattern = r"state was allocated by a canary of another config or pool \(fingerprint 0x[0-9a-f]{8}, this canary's"
+    with pytest.raises(ValueError, match=pattern):
+        _trace(canary, _host_batch(), other)
+    same_records = kc.KvCanary(dataclasses.replace(canary.config, mode="log", backend="xla"), canary.pool)
+    assert _trace(canary, _host_batch(), same_records.init_state()).fingerprint == canary.fingerprint
+
+
+def test_the_monitor_refuses_an_older_state_and_a_donated_one_by_name():
+    lp = loop("none")
+    canary = lp.canary
+    step = jax.jit(canary.before_forward, donate_argnums=0)
+    batch = pack_padded([Request(1, 0, 2, (3, 4))], "none")
+    old = canary.init_state()
+    new = step(canary.init_state(), batch)
+    assert int(new.generation[0]) == 1 and int(old.generation[0]) == 0
+    for check in ("after_step", "final_check"):
+        monitor = kc.CanaryMonitor(dataclasses.replace(canary, config=dataclasses.replace(canary.config,
+                                                                                          check_lag_steps=0)))
+        monitor.after_step(new)
+        with pytest.raises(ValueError, match=r"state is older than one the monitor has already seen \(it has been "
+                                             r"through 0 step\(s\), an earlier one through 1\)"):  # fmt: skip
+            getattr(monitor, check)(old)
+    donated = canary.init_state()
+    step(donated, batch)
+    gone = r"state was donated to an earlier step and its buffers are gone: use the state that step returned"
+    with pytest.raises(ValueError, match=gone):
+        kc.CanaryMonitor(canary).after_step(donated)
+    with pytest.raises(ValueError, match=gone):
+        canary.before_forward(donated, batch)
 
 
 def _asserting(**config):
@@ -389,13 +448,6 @@ def _entries(slots=(3, 4), positions=(0, 1), prev=(-1, 3)):
     [
         ((np.array([3]), np.array([0]), np.array([-1])), LUT, TypeError,
          r"FULL sweep: entries must be SweepEntries \(e.g. from walk_prefix_tree\); got tuple"),
-        (_entries(slots=(3, 99)), LUT, ValueError,
-         rf"FULL sweep: SweepEntries.slots\[1\] = 99 is out of range \(slots are 1..{NUM_SLOTS - 1}"),
-        (_entries(slots=(-3, 4)), LUT, ValueError, r"SweepEntries.slots\[0\] = -3 is out of range"),
-        (_entries(slots=(0, 4)), LUT, ValueError, r"SweepEntries.slots\[0\] = 0 .*slot 0 is the reserved padding slot"),
-        (_entries(positions=(0, -1)), LUT, ValueError, r"SweepEntries.positions\[1\] = -1 is out of range"),
-        (_entries(prev=(-1, 40)), LUT, ValueError, r"SweepEntries.prev_slots\[1\] = 40 is out of range"),
-        (_entries(prev=(-2, 3)), LUT, ValueError, r"SweepEntries.prev_slots\[0\] = -2"),
         (_entries()._replace(positions=np.zeros(3, np.int32)), LUT, ValueError,
          r"SweepEntries fields must have one length; got slots=2, positions=3"),
         (_entries()._replace(slots=np.array([3.0, 4.0])), LUT, TypeError,
@@ -413,6 +465,29 @@ def _entries(slots=(3, 4), positions=(0, 1), prev=(-1, 3)):
 def test_sweep_plan_names_every_bad_entry(entries, lut, error, pattern):
     with pytest.raises(error, match=pattern):
         loop("negative").canary.sweep_plan(entries, lut)
+
+
+def test_a_corrupt_prefix_cache_entry_is_an_invalid_input_row_and_the_rest_of_the_sweep_runs():
+    """Before: slot 0 (or a slot past the pool) in a radix entry raised ValueError on the host, stopping a served
+    engine's scheduler even in log mode. It is engine data: one INVALID_INPUT row each, the other entries checked."""
+    lp = loop("negative")
+    kv, state = lp.run(pack_padded(prefill([Request(1, 3, 0, (5, 6, 7))]), "negative"))
+    bad = _entries(slots=(5, 0, 6, 99, 7, 8), positions=(0, 9, 1, 9, 2, -4), prev=(-1, 5, 5, 6, 6, 40))
+    plan = lp.canary.sweep_plan(bad, LUT)
+    assert int(plan.full.num_valid[0]) == int(plan.swa.num_valid[0]) == 3
+    full = testing.flip_kv_byte(kv[0], 6, page_size=PAGE_SIZE)
+    report = kc.read_violations(lp.sweep((full, kv[1]), state, plan).violation_log)
+    inputs = [kc.format_violation(v, total=0, overflowed=False).split("  input: ")[1].split("\n")[0]
+              for v in report.violations if v.fail_reason & INVALID]  # fmt: skip
+    assert inputs == [
+        "prefix-cache sweep entry SweepEntries.slots[1] (slot 0, position 9) = 0 is the reserved padding slot 0, "
+        "inside a request",
+        f"prefix-cache sweep entry SweepEntries.slots[3] (slot 99, position 9) = 99 is out of range (limit {NUM_SLOTS})",
+        "prefix-cache sweep entry SweepEntries.positions[5] (slot 8, position -4) = -4 is negative",
+    ]
+    assert {v.launch_tag for v in report.violations if v.fail_reason & INVALID} == {kc.CanaryLaunchTag.SWEEP_K_FULL}
+    expect_violation(report, tag="SWEEP_K_FULL", reason="verify_real_kv_hash", slot=6)  # the rest still ran
+    assert report.write_index == 3 + 2  # the three bad entries, then slot 6's K and V rows
 
 
 def test_a_correct_sweep_is_silent_and_finds_an_idle_fault():

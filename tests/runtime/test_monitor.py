@@ -22,7 +22,9 @@ from kvcanary_jax.demo import model
 from tests.runtime.runner_testlib import TINY_CANARY, TINY_CONFIG, demo_setup, run_steps, tiny_setup
 
 T = CanaryLaunchTag
-FIRST_LINE = re.compile(r"kv_canary violation: launch_tag=(\S+) fail_reason=(\S+) slot_idx=(\d+) position=(\d+) ")
+FIRST_LINE = re.compile(
+    r"^kv_canary violation: launch_tag=(\S+) fail_reason=(\S+) slot_idx=(\d+) position=(\d+) ", re.MULTILINE
+)
 
 
 def _canary(**overrides) -> KvCanary:
@@ -87,10 +89,11 @@ def test_reads_lag_behind_and_the_ring_is_pulled_only_when_the_index_grew(pulls,
             monitor.after_step(state)
     assert len(pulls) == 2 and [(o.step, o.observed_step) for o in monitor.observed][-1] == (10, 13)
     messages = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
-    assert len(messages) == 3, "log mode: one WARNING per violation"
-    assert FIRST_LINE.match(messages[0]).groups() == ("TAIL_K_FULL", "verify_real_kv_hash", "5", "3")
-    assert FIRST_LINE.match(messages[2]).groups() == ("SWEEP_K_FULL", "verify_chain_hash", "9", "1")
-    assert "step_when_pumped=13" in messages[2] and "total_violations=3" in messages[2]
+    assert len(messages) == 2, "log mode: one WARNING per incident (slot 5's K and V rows are one)"
+    assert messages[0].startswith("kv-canary incident #1: verify_real_kv_hash (TAIL_K_FULL) at request unknown, ")
+    assert FIRST_LINE.search(messages[0]).groups() == ("TAIL_K_FULL", "verify_real_kv_hash", "5", "3")
+    assert FIRST_LINE.search(messages[1]).groups() == ("SWEEP_K_FULL", "verify_chain_hash", "9", "1")
+    assert "step_when_pumped=13" in messages[1] and "total_violations=3" in messages[1]
 
 
 def test_lag_zero_reads_every_step():
@@ -109,7 +112,8 @@ def test_raise_mode_raises_once_per_new_batch_of_violations():
         monitor.after_step(state)
     err = caught.value
     assert err.report.write_index == 1 and err.report.first_violation.slot_idx == 4
-    assert FIRST_LINE.match(str(err)).groups() == ("HEAD_K_FULL", "verify_position", "4", "2")
+    assert FIRST_LINE.search(str(err)).groups() == ("HEAD_K_FULL", "verify_position", "4", "2")
+    assert [(i.number, i.rows, i.root.slot_idx) for i in err.incidents] == [(1, 1, 4)]
     monitor.after_step(state)  # nothing new: no second raise
     assert monitor.final_check(state).write_index == 1
 
@@ -137,7 +141,7 @@ def test_ring_overflow_is_reported_without_detail(caplog):
     with caplog.at_level(logging.WARNING):
         monitor.after_step(_append(state, *rows))
     messages = [r.getMessage() for r in caplog.records]
-    assert len(monitor.observed) == 2 and len(messages) == 3
+    assert len(monitor.observed) == 2 and len(messages) == 3  # two incidents (slots 1, 2) and the dropped count
     assert "ring_overflow=True" in messages[0] and "2 more violation(s) at step=1 were dropped" in messages[2]
 
 
@@ -206,3 +210,27 @@ def test_watchdog_catches_a_step_that_drops_the_tail_launches():
     setup.step_fn = head_only_step
     with pytest.raises(KvCanaryHealthError, match=r"tags=\['TAIL_K_FULL', 'TAIL_V_FULL'\] at step=5"):
         run_steps(setup, 6)
+
+
+@pytest.mark.parametrize("verbose", [False, True])
+def test_a_slot_already_reported_shows_again_only_as_a_count(caplog, verbose):
+    canary = _canary(mode="log", check_lag_steps=0)
+    monitor, state = CanaryMonitor(canary, verbose=verbose), canary.init_state()
+    flip = [(tag, 5, 3, FailReason.VERIFY_REAL_KV_HASH) for tag in (T.TAIL_K_FULL, T.TAIL_V_FULL)]
+    with caplog.at_level(logging.WARNING):
+        for _ in range(3):  # the slot fails again at every step that reads it
+            state = _append(state, *flip)
+            monitor.after_step(state, step=100 + monitor.step)
+    messages = [r.getMessage() for r in caplog.records]
+    assert len(messages) == 3 and len(monitor.observed) == 6, "one message per step, every row kept"
+    assert messages[0].startswith(
+        "kv-canary incident #1: verify_real_kv_hash (TAIL_K_FULL) at request unknown, position 3, slot 5 (FULL), "
+        "written at step 100\n"
+    )
+    count = "kv-canary incident #1: 2 more row(s) at step 101 (4 in all), at slots already reported"
+    assert messages[1].splitlines()[0] == count and (messages[1] == count) is not verbose
+    raw = [m for m in messages if FIRST_LINE.search(m)]
+    assert len(raw) == (3 if verbose else 1)
+    assert ("  incident: same fault of #1 (root: request unknown, position 3, slot 5 (FULL))" in messages[2]) is verbose
+    with pytest.raises(TypeError, match=r"verbose must be a bool; got verbose=1"):
+        CanaryMonitor(canary, verbose=1)

@@ -246,7 +246,13 @@ def test_reports_point_at_the_request_and_the_users_step(caplog):
             monitor.after_step(state, step=1000 + i)
         monitor.final_check(state)
     message = caplog.records[0].getMessage()
-    first, *rest = message.split("\n")
+    headline, *lines = message.split("\n")
+    assert headline == (
+        "kv-canary incident #1: verify_real_kv_hash (TAIL_K_FULL) at request row 2, position 1, slot 22 (FULL), "
+        "written at step 1003"
+    )
+    at = next(i for i, x in enumerate(lines) if x.startswith("kv_canary violation: "))  # the root row's block
+    first, rest = lines[at], lines[at + 1 :]
     assert first.startswith("kv_canary violation: launch_tag=TAIL_K_FULL fail_reason=verify_real_kv_hash ")
     assert " expected_token=-1 " in first  # SGLang's first line, byte for byte
     assert "  request: row=2 (batch entry 1) position expected=1 found=1" in rest

@@ -87,5 +87,5 @@ def test_bad_arguments_are_named(clean):
         assert_no_violations(np.zeros(3))
     with pytest.raises(ValueError, match=r"tag must be a CanaryLaunchTag or one of its names; got tag='TAIL'"):
         expect_violation(clean, tag="TAIL")
-    with pytest.raises(TypeError, match=r"reason must be a FailReason; got reason=4"):
+    with pytest.raises(TypeError, match=r"reason must be a FailReason or its printed name; got reason=4"):
         expect_violation(clean, reason=4)

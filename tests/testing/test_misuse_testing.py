@@ -56,8 +56,9 @@ def test_assertions_name_what_they_cannot_read(x):
         (dict(tag=99), ValueError, r"tag must be a CanaryLaunchTag, one of its names or values; got tag=99"),
         (dict(tag=-1), ValueError, r"got tag=-1"),
         (dict(tag=2.0), ValueError, r"got tag=2.0"),
-        (dict(reason=128), TypeError, r"reason must be a FailReason; got reason=128"),
-        (dict(reason="invalid_input"), TypeError, r"got reason='invalid_input'"),
+        (dict(reason=128), TypeError, r"reason must be a FailReason or its printed name; got reason=128"),
+        (dict(reason="invalid_inputs"), ValueError,
+         r"reason must be a FailReason or one of invalid_input, shard_chain, .*; got reason='invalid_inputs'"),
         (dict(slot="99"), TypeError, r"slot must be an int \(a row's slot_idx\); got slot='99'"),
         (dict(slot=99.0), TypeError, r"got slot=99.0"),
     ],
@@ -70,6 +71,8 @@ def test_expect_violation_names_a_filter_that_could_never_match(bad_slot_state, 
 def test_assertions_report_a_bad_value_by_name(bad_slot_state):
     v = expect_violation(bad_slot_state, tag=np.int64(0), reason=FailReason.INVALID_INPUT, slot=np.int64(99))
     assert v == expect_violation(bad_slot_state, tag="HEAD_K_FULL", slot=99)
+    assert v == expect_violation(bad_slot_state, reason="invalid_input")
+    assert v == expect_violation(bad_slot_state, reason="INVALID_INPUT")
     assert (v.position, v.stored_token, v.expected_aux) == (2, 99, 1)  # position 2 of request row 1
     with pytest.raises(AssertionError, match=r"no violation with slot=3; recorded 1 row\(s\):\n  HEAD_K_FULL invalid"):
         expect_violation(bad_slot_state, slot=3)
@@ -81,6 +84,19 @@ def test_assertions_report_a_bad_value_by_name(bad_slot_state):
     assert "step_when_pumped=2" in message
     with pytest.raises(TypeError, match=r"step must be an int; got step='2'"):
         assert_no_violations(bad_slot_state, step="2")
+
+
+def test_printed_reason_names_are_members_and_public_types_show_their_public_module():
+    """A report prints ``verify_real_kv_hash``: it is a member, and ``expect_violation`` takes it."""
+    for member in FailReason:
+        assert FailReason[member.label.upper()] is member and FailReason.parse(member.label) is member
+    both = FailReason.VERIFY_CHAIN_HASH | FailReason.VERIFY_POSITION
+    assert FailReason.parse("verify_chain_hash+verify_position") == both
+    assert FailReason.VERIFY_REAL_KV_HASH is FailReason.VERIFY_REAL_KV_HASH_MISMATCH
+    assert [r.label for r in FailReason][:3] == ["verify_chain_hash", "verify_position", "verify_real_kv_hash"]
+    assert kc.KvCanaryViolationError.__module__ == "kvcanary_jax" and kc.CanaryState.__module__ == "kvcanary_jax"
+    assert CanaryGuard.__module__ == "kvcanary_jax.testing"
+    assert repr(kc.KvCanaryViolationError).startswith("<class 'kvcanary_jax.KvCanaryViolationError'")
 
 
 # --------------------------------------------------------------------------------------------------------- injectors

@@ -21,6 +21,10 @@ def test_corrupted(kvcanary_guard):
     tiny_loop.run(5, corrupt_at=2, step_fn=kvcanary_guard.wrap(tiny_loop.step))
 
 
+def test_unwired(kvcanary_guard):
+    tiny_loop.run(5, corrupt_at=2)
+
+
 def test_failing_body_is_not_checked_again(kvcanary_guard):
     tiny_loop.run(5, corrupt_at=2, step_fn=kvcanary_guard.wrap(tiny_loop.step))
     assert False, "the body's own failure"
@@ -31,8 +35,10 @@ def test_guard_fails_a_corrupting_test_and_passes_a_clean_one(pytester: pytest.P
     pytester.makeconftest('pytest_plugins = ["kvcanary_jax.testing.pytest_plugin"]')
     pytester.makepyfile(test_guarded=_TESTS)
     result = pytester.runpytest_inprocess("-p", "no:cacheprovider")
-    result.assert_outcomes(passed=1, failed=2)
+    result.assert_outcomes(passed=1, failed=3)
     out = result.stdout.str()
+    assert "kvcanary_guard watched no canary state, so it checked nothing: wrap the jitted step" in out
+    assert "pytest_plugin.py" not in out and "Array(" not in out and "array(" not in out, "no frames, no arrays"
     assert "test_guarded.py::test_corrupted FAILED" in out or "FAILED test_guarded.py::test_corrupted" in out
     assert "assert_no_violations failed: the canary recorded 3 violation(s)" in out
     assert "kv_canary violation: launch_tag=TAIL_K_FULL fail_reason=verify_real_kv_hash slot_idx=1" in out

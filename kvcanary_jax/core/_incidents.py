@@ -1,0 +1,190 @@
+"""Incidents: violation rows grouped by the fault behind them, so a person reads one headline per fault.
+
+One fault writes many rows: HEAD and TAIL, K and V, FULL and SWA launches all flag the same batch entry, the entry
+after a broken chain link fails its own chain check (a knock-on), a request a bad input left unwritten fails verify
+at every later step, and a corrupted slot fails again at every step that reads it. The ring keeps every row
+(SGLang's format, exact count); an :class:`Incidents` tracker folds them into :class:`Incident` s:
+
+- a row whose slot (in its pool group) an incident already holds joins it (the same fault, seen again);
+- else a row of a request row an incident holds joins it, at the root's position (the same batch entry, another
+  launch or group) or past it (a knock-on); after an ``INVALID_INPUT`` root every later row of the request is one;
+- else a ``write_token`` row whose tokens are crossed with a root of the same step (each holds the other's
+  expected token) joins that root's incident: one swap, two requests;
+- else the row opens a new incident and is its root. Within one step, ``INVALID_INPUT`` rows and lower positions
+  come first, so the root is the earliest link that broke.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable
+
+from kvcanary_jax.core import _explain
+from kvcanary_jax.core._constants import CanaryLaunchTag, FailReason
+
+_MAX_LISTED = 4  # knock-on slots named in a headline; the rest are counted
+
+
+def _group(tag) -> str:
+    return tag.name.rsplit("_", 1)[1] if isinstance(tag, CanaryLaunchTag) else "?"
+
+
+def _slot_key(v) -> tuple[str, int]:
+    return _group(v.launch_tag), v.slot_idx
+
+
+def _input_key(v) -> tuple[int, ...]:
+    return v.reason_detail, v.stored_chain_hash, v.stored_token, v.expected_aux, v.position, v.slot_idx
+
+
+def _position(v) -> int:
+    """The request position the row checked: the expected one when the ring knows it (a remapped slot's record
+    holds another position)."""
+    return v.expected_position if v.expected_position is not None else v.position
+
+
+def _order(v) -> tuple[int, int]:
+    return (0 if v.fail_reason & FailReason.INVALID_INPUT else 1, _position(v))
+
+
+@dataclasses.dataclass
+class Incident:
+    """One fault: its root row and the rows it explains.
+
+    Attributes:
+      number: 1-based, in the order incidents were opened.
+      root: the row that names the fault (a :class:`~kvcanary_jax.core._report.Violation`).
+      step: the step whose launches wrote the root (None if unknown).
+      rows: how many rows the incident explains, the root included.
+      knock_ons: the first row of each knock-on slot (later positions of the request whose chain the root broke).
+      partners: the first row of each other request the same fault hit (tokens crossed with the root's).
+      last_step: the latest step that added a row.
+    """
+
+    number: int
+    root: object
+    step: int | None
+    rows: int = 1
+    knock_ons: list = dataclasses.field(default_factory=list)
+    partners: list = dataclasses.field(default_factory=list)
+    last_step: int | None = None
+    _slots: set = dataclasses.field(default_factory=set, repr=False)
+
+    @property
+    def request_row(self) -> int | None:
+        return self.root.request_row
+
+    def where(self) -> str:
+        """Request, position and slot of the root (an input problem names its batch field instead)."""
+        r = self.root
+        if r.fail_reason & FailReason.INVALID_INPUT:
+            request = f"request row {r.request_row}, " if r.request_row is not None else ""
+            return f"{request}{_explain.input_line(r)}"
+        if r.request_row is not None:
+            request = f"request row {r.request_row}"
+        else:
+            request = "an idle prefix-cache slot" if _explain.phase_of(r.launch_tag) == "SWEEP" else "request unknown"
+        return f"{request}, position {_position(r)}, slot {r.slot_idx} ({_group(r.launch_tag)})"
+
+    def headline(self) -> str:
+        """What, where, when, the likely cause and the rows explained; knock-ons named with their slots."""
+        r = self.root
+        when = f"step {self.step}" if self.step is not None else "an unknown step"
+        lines = [
+            f"kv-canary incident #{self.number}: {'+'.join(r.reason_labels) or 'none'} ({r.tag_label}) at "
+            f"{self.where()}, written at {when}"
+        ]
+        cause = _explain.likely_cause(r)
+        if cause is not None:
+            lines.append(f"  likely cause: {cause}")
+        detail = ""
+        if self.knock_ons:
+            listed = list(dict.fromkeys(f"{k.slot_idx}@{_position(k)}" for k in self.knock_ons))
+            more = f" and {len(listed) - _MAX_LISTED} more" if len(listed) > _MAX_LISTED else ""
+            slots = ", ".join(listed[:_MAX_LISTED])
+            detail = f"; knock-ons of this root at slot@position {slots}{more}"
+        for p in self.partners:
+            detail += f"; tokens crossed with request row {p.request_row}, position {_position(p)}, slot {p.slot_idx}"
+        lines.append(f"  explains {self.rows} row(s){detail}")
+        return "\n".join(lines)
+
+    def label(self, v) -> str:
+        """How a raw row points at its incident: the root itself, or a knock-on of it."""
+        if v is self.root:
+            return f"  incident: #{self.number} (root)"
+        if v.request_row != self.root.request_row:
+            kind = "crossed partner"
+        else:
+            kind = "knock-on" if _position(v) != _position(self.root) else "same fault"
+        return f"  incident: {kind} of #{self.number} (root: {self.where()})"
+
+
+class Incidents:
+    """Folds rows into incidents as they arrive, one step at a time (see the module docstring)."""
+
+    def __init__(self):
+        self.incidents: list[Incident] = []
+        self._by_slot: dict[tuple[str, int], Incident] = {}
+        self._by_request: dict[int, Incident] = {}
+        self._by_input: dict[tuple, Incident] = {}  # the same bad value, seen again (no slot to key it by)
+
+    def add(self, rows: Iterable, *, step: int | None = None) -> list[tuple[object, Incident]]:
+        """Adds one step's rows; returns each row with its incident, roots and lower positions first."""
+        placed, opened = [], []
+        for v in sorted(rows, key=_order):
+            incident = self._find(v) or _crossed(v, opened)
+            if incident is None:
+                incident = Incident(len(self.incidents) + 1, v, step, rows=0)
+                self.incidents.append(incident)
+                opened.append(incident)
+                if v.request_row is not None:
+                    self._by_request.setdefault(v.request_row, incident)
+            elif v.request_row != incident.root.request_row:
+                if v.request_row is not None and all(p.request_row != v.request_row for p in incident.partners):
+                    incident.partners.append(v)
+                    self._by_request.setdefault(v.request_row, incident)
+            elif _position(v) != _position(incident.root) and _slot_key(v) not in incident._slots:
+                incident.knock_ons.append(v)
+            incident.rows += 1
+            incident.last_step = step
+            if v.fail_reason & FailReason.INVALID_INPUT:
+                self._by_input.setdefault(_input_key(v), incident)
+            else:
+                incident._slots.add(_slot_key(v))
+                self._by_slot.setdefault(_slot_key(v), incident)
+            placed.append((v, incident))
+        return placed
+
+    def _find(self, v) -> Incident | None:
+        invalid = v.fail_reason & FailReason.INVALID_INPUT
+        found = self._by_input.get(_input_key(v)) if invalid else self._by_slot.get(_slot_key(v))
+        if found is not None:
+            return found
+        incident = self._by_request.get(v.request_row) if v.request_row is not None else None
+        if incident is None:
+            return None
+        root = incident.root
+        if root.fail_reason & FailReason.INVALID_INPUT or _position(v) >= _position(root):
+            return incident
+        return None
+
+
+def _crossed(v, opened: list[Incident]) -> Incident | None:
+    """The incident opened this step by a ``write_token`` root whose tokens ``v`` holds crossed."""
+    if not v.fail_reason & FailReason.WRITE_TOKEN:
+        return None
+    for incident in opened:
+        r = incident.root
+        if r.fail_reason & FailReason.WRITE_TOKEN and (r.stored_token, r.expected_token) == (
+            v.expected_token,
+            v.stored_token,
+        ):
+            return incident
+    return None
+
+
+def group(violations: Iterable, *, step: int | None = None) -> list[Incident]:
+    """The incidents of a batch of rows (a whole ring: steps unknown)."""
+    tracker = Incidents()
+    tracker.add(violations, step=step)
+    return tracker.incidents
