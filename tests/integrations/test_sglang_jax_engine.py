@@ -83,6 +83,7 @@ def test_the_token_asserts_need_the_requests(worker):
 
 def test_unmapped_set_ups_are_refused_by_name(worker):
     config = kc.CanaryConfig(sweep_interval=0)
+    sglang_engine.MiniScheduler(worker, [])  # a cold engine: empty pools
     with pytest.raises(TypeError, match="config must be a kvcanary_jax.CanaryConfig"):
         sglang_jax.wrap(worker, {"mode": "raise"})
     with pytest.raises(ValueError, match="pass tree_cache="):
@@ -91,7 +92,6 @@ def test_unmapped_set_ups_are_refused_by_name(worker):
         sglang_jax.wrap(worker, config, table_width=0)
     for change, message in [
         ({"dp_size": 2}, r"data parallelism \(dp_size=2"),
-        ({"disable_overlap_schedule": False}, "the overlap scheduler"),
         ({"speculative_algorithm": "EAGLE"}, "speculative decoding"),
     ]:
         other = types.SimpleNamespace(model_runner=worker.model_runner,
