@@ -1,8 +1,8 @@
 """End to end: ``python -m kvcanary_jax serve sglang-jax`` as a real server process (default overlap scheduler) on
 CPU, a tiny random Llama from ``tiny-model``, 24 concurrent completions through the ``openai`` client over HTTP.
 
-One server per scenario (a clean run, a drill in log mode, raise mode), each kept small: short prompts on two shared
-prefixes, a few new tokens, one padding bucket per mode. Skipped where sglang-jax is not installed, unless
+One server per scenario (a clean run, a drill in log mode, raise mode), each kept small: page size 4, short prompts
+on two shared prefixes, a few new tokens, one padding bucket per mode, one JAX compilation cache for all three. Skipped where sglang-jax is not installed, unless
 ``KVCANARY_REQUIRE_SGLANG_JAX=1`` (CI's sglang-jax leg).
 """
 
@@ -37,6 +37,14 @@ def model_dir(tmp_path_factory):
     return tiny_llama.write_tiny_model(tmp_path_factory.mktemp("tiny_model"))
 
 
+@pytest.fixture(scope="module")
+def compile_cache(tmp_path_factory):
+    """One JAX compilation cache for the module's servers: same model, buckets and canary config (raise mode runs
+    the monitor in log mode), so only the first server compiles."""
+    return {"JAX_COMPILATION_CACHE_DIR": str(tmp_path_factory.mktemp("jax_cache")),
+            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "-1"}
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -46,7 +54,7 @@ def _free_port() -> int:
 class Server:
     """``python -m kvcanary_jax serve sglang-jax ...`` as a subprocess, its output in a file."""
 
-    def __init__(self, model_dir, log_path, *canary_args, page_size=1):
+    def __init__(self, model_dir, log_path, env, *canary_args, page_size=4):
         self.port, self.log_path = _free_port(), log_path
         cmd = [sys.executable, "-m", "kvcanary_jax", "serve", "sglang-jax", "--model-path", model_dir,
                "--device", "cpu", "--attention-backend", "native", "--host", "127.0.0.1", "--port", str(self.port),
@@ -55,7 +63,7 @@ class Server:
                "--precompile-token-paddings", "128", "--disable-precompile", "--enable-metrics", "--random-seed", "0",
                "--skip-server-warmup", *canary_args]  # fmt: skip
         self.log = open(log_path, "w")
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")]))}
+        env = {**os.environ, **env, "PYTHONPATH": os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")]))}
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env)
         deadline = time.monotonic() + _START_S
         while time.monotonic() < deadline:
@@ -69,7 +77,6 @@ class Server:
         raise AssertionError(f"server not up in {_START_S} s:\n{self.text()[-4000:]}")
 
     def text(self) -> str:
-        self.log.flush()
         with open(self.log_path) as f:
             return f.read()
 
@@ -108,8 +115,8 @@ def _total(metrics: dict, name: str) -> float:
     return sum(v for k, v in metrics.items() if k == name or k.startswith(name + "{"))
 
 
-def test_clean_run_serves_every_request_with_no_violation(model_dir, tmp_path):
-    server = Server(model_dir, tmp_path / "server.log", "--canary-mode", "log", page_size=4)
+def test_clean_run_serves_every_request_with_no_violation(model_dir, compile_cache, tmp_path):
+    server = Server(model_dir, tmp_path / "server.log", compile_cache, "--canary-mode", "log")
     try:
         results = server.completions()
         errors = [r for r in results if isinstance(r, BaseException)]
@@ -127,8 +134,8 @@ def test_clean_run_serves_every_request_with_no_violation(model_dir, tmp_path):
         server.stop()
 
 
-def test_a_token_swap_drill_is_caught_under_overlap_and_counted(model_dir, tmp_path):
-    server = Server(model_dir, tmp_path / "server.log", "--canary-mode", "log", "--canary-inject", "token_swap:0.5")
+def test_a_token_swap_drill_is_caught_under_overlap_and_counted(model_dir, compile_cache, tmp_path):
+    server = Server(model_dir, tmp_path / "server.log", compile_cache, "--canary-mode", "log", "--canary-inject", "token_swap:0.5")
     try:
         results = server.completions()
         assert not [r for r in results if isinstance(r, BaseException)]  # log mode keeps serving
@@ -147,8 +154,8 @@ def test_a_token_swap_drill_is_caught_under_overlap_and_counted(model_dir, tmp_p
     assert _total(metrics, "kvcanary_violations_total") >= 1, metrics
 
 
-def test_raise_mode_stops_the_server_with_the_violation_last(model_dir, tmp_path):
-    server = Server(model_dir, tmp_path / "server.log", "--canary-mode", "raise", "--canary-inject", "live_kv:1.0")
+def test_raise_mode_stops_the_server_with_the_violation_last(model_dir, compile_cache, tmp_path):
+    server = Server(model_dir, tmp_path / "server.log", compile_cache, "--canary-mode", "raise", "--canary-inject", "live_kv:1.0")
     try:
         results = server.completions(8)
         server.proc.wait(120)
