@@ -11,9 +11,13 @@ from pallas_kernels.backend import BACKENDS
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] == ["serve"] and argv[1:2] == ["sglang-jax"] and not {"-h", "--help"} & set(argv[2:3]):
+    if argv[:2] == ["serve", "sglang-jax"]:
         from kvcanary_jax.integrations import sglang_server  # every other argument is sglang-jax's
 
+        if {"-h", "--help"} & set(argv[2:3]):
+            sglang_server.canary_parser().print_help()
+            print("\nEvery other argument is sglang-jax's: python -m sgl_jax.launch_server --help")
+            return 0
         return sglang_server.main(argv[2:])
     parser = argparse.ArgumentParser(prog="python -m kvcanary_jax", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -48,11 +52,6 @@ def main(argv: list[str] | None = None) -> int:
     tiny.add_argument("dir", help="the model directory to write")
     tiny.add_argument("--seed", type=int, default=0, help="seeds the random weights")
     args = parser.parse_args(argv)
-    if args.command == "serve":
-        from kvcanary_jax.integrations import sglang_server
-
-        sglang_server.canary_parser().print_help()
-        return 0
     if args.command == "tiny-model":
         from kvcanary_jax.integrations import tiny_llama
 

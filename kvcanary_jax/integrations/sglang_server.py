@@ -56,7 +56,8 @@ class ServeSettings:
 
 
 def canary_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m kvcanary_jax serve sglang-jax", add_help=False)
+    p = argparse.ArgumentParser(prog="python -m kvcanary_jax serve sglang-jax", add_help=False,
+                                usage="%(prog)s <sglang-jax launch_server arguments> [--canary-* options]")  # fmt: skip
     p.add_argument("--canary-mode", default="log", choices=("off", "log", "raise"),
                    help="log: each violation is logged and counted, serving goes on; raise: the first stops the "
                    "server (exit code 3); off: no canary")  # fmt: skip
@@ -245,7 +246,11 @@ def main(argv: list[str]) -> int:
     except ValueError as err:
         print(f"kvcanary serve: {err}", file=sys.stderr)
         return 2
-    sglang_jax.require_sglang_jax()
+    try:
+        sglang_jax.require_sglang_jax()
+    except ImportError as err:
+        print(f"kvcanary serve: {err}", file=sys.stderr)
+        return 1
     from sgl_jax.srt.entrypoints import engine, http_server
     from sgl_jax.srt.server_args import ServerArgs
     from sgl_jax.srt.utils import kill_process_tree

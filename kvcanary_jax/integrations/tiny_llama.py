@@ -50,8 +50,9 @@ def _weights(seed: int, scale: float = 0.05) -> dict[str, np.ndarray]:
                    p + "mlp.gate_proj.weight": (inter, hidden), p + "mlp.up_proj.weight": (inter, hidden),
                    p + "mlp.down_proj.weight": (hidden, inter)}  # fmt: skip
     out = {k: (rng.standard_normal(s) * scale).astype(np.float32) for k, s in shapes.items()}
-    norms = ["model.norm.weight"] + [f"model.layers.{i}.{n}" for i in range(c["num_hidden_layers"])
-                                     for n in ("input_layernorm.weight", "post_attention_layernorm.weight")]  # fmt: skip
+    layer_norms = ("input_layernorm.weight", "post_attention_layernorm.weight")
+    layers = range(c["num_hidden_layers"])
+    norms = ["model.norm.weight"] + [f"model.layers.{i}.{n}" for i in layers for n in layer_norms]
     out |= {k: np.ones(hidden, np.float32) for k in norms}
     return out
 
@@ -63,8 +64,10 @@ def _write_tokenizer(path: pathlib.Path) -> None:
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=TINY_LLAMA["vocab_size"], special_tokens=_SPECIAL,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)  # fmt: skip
+    trainer = trainers.BpeTrainer(
+        vocab_size=TINY_LLAMA["vocab_size"], special_tokens=_SPECIAL,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+    )  # fmt: skip
     tok.train_from_iterator([_CORPUS] * 4, trainer)
     # every id the model can sample decodes to something: pad the vocabulary to the model's
     tok.add_tokens([f"<x{i}>" for i in range(TINY_LLAMA["vocab_size"] - tok.get_vocab_size())])

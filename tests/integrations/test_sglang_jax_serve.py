@@ -2,7 +2,8 @@
 CPU, a tiny random Llama from ``tiny-model``, 24 concurrent completions through the ``openai`` client over HTTP.
 
 One server per scenario (a clean run, a drill in log mode, raise mode), each kept small: page size 4, short prompts
-on two shared prefixes, a few new tokens, one padding bucket per mode, one JAX compilation cache for all three. Skipped where sglang-jax is not installed, unless
+on two shared prefixes, a few new tokens, one padding bucket per mode, one JAX compilation cache for all three.
+Skipped where sglang-jax is not installed, unless
 ``KVCANARY_REQUIRE_SGLANG_JAX=1`` (CI's sglang-jax leg).
 """
 
@@ -63,7 +64,8 @@ class Server:
                "--precompile-token-paddings", "128", "--disable-precompile", "--enable-metrics", "--random-seed", "0",
                "--skip-server-warmup", *canary_args]  # fmt: skip
         self.log = open(log_path, "w")
-        env = {**os.environ, **env, "PYTHONPATH": os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")]))}
+        path = os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")]))
+        env = {**os.environ, **env, "PYTHONPATH": path}
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env)
         deadline = time.monotonic() + _START_S
         while time.monotonic() < deadline:
@@ -135,7 +137,8 @@ def test_clean_run_serves_every_request_with_no_violation(model_dir, compile_cac
 
 
 def test_a_token_swap_drill_is_caught_under_overlap_and_counted(model_dir, compile_cache, tmp_path):
-    server = Server(model_dir, tmp_path / "server.log", compile_cache, "--canary-mode", "log", "--canary-inject", "token_swap:0.5")
+    drill = ("--canary-mode", "log", "--canary-inject", "token_swap:0.5")
+    server = Server(model_dir, tmp_path / "server.log", compile_cache, *drill)
     try:
         results = server.completions()
         assert not [r for r in results if isinstance(r, BaseException)]  # log mode keeps serving
@@ -155,7 +158,8 @@ def test_a_token_swap_drill_is_caught_under_overlap_and_counted(model_dir, compi
 
 
 def test_raise_mode_stops_the_server_with_the_violation_last(model_dir, compile_cache, tmp_path):
-    server = Server(model_dir, tmp_path / "server.log", compile_cache, "--canary-mode", "raise", "--canary-inject", "live_kv:1.0")
+    drill = ("--canary-mode", "raise", "--canary-inject", "live_kv:1.0")
+    server = Server(model_dir, tmp_path / "server.log", compile_cache, *drill)
     try:
         results = server.completions(8)
         server.proc.wait(120)
