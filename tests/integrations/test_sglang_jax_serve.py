@@ -30,7 +30,7 @@ from kvcanary_jax.integrations import sglang_server, tiny_llama  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 _PREFIXES = ("The quick brown fox jumps over the lazy dog.", "A KV cache holds the keys and values of every token")
-_START_S, _RUN_S = 420, 420
+_START_S, _RUN_S = 600, 900
 
 
 @pytest.fixture(scope="module")
