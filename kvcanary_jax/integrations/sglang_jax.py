@@ -254,13 +254,16 @@ class Pending:
     """What the scheduler's thread hands one forward (taken when the batch goes to the worker).
 
     Attributes:
-      rids: each batch row's ``rid``; oracle: the host token oracle (numpy); sweep: the radix slots to verify after
-      the forward (overlap scheduler only); before_forward / before_sweep: callables run on the forward's thread
-      (fault drills).
+      rids: each batch row's ``rid``; oracle: the host token oracle (numpy); cache_loc: a copy of the batch's
+      ``cache_loc`` (the engine builds it in one host buffer it reuses every step: under the overlap scheduler the next
+      batch overwrites it while this one runs, and on CPU the device array may alias it); sweep: the radix slots to
+      verify after the forward (overlap scheduler only); before_forward / before_sweep: callables run on the
+      forward's thread (fault drills).
     """
 
     rids: list
     oracle: dict
+    cache_loc: np.ndarray | None = None
     sweep: kc.SweepEntries | None = None
     before_forward: list = dataclasses.field(default_factory=list)
     before_sweep: list = dataclasses.field(default_factory=list)
@@ -402,7 +405,8 @@ class SglangCanary:
         if write or verify:
             oracle = token_oracle(reqs, model_worker_batch, self.layout, max_bs=self.max_bs, write=write,
                                   verify=verify)  # fmt: skip
-        pending = Pending(rids=[getattr(r, "rid", None) for r in reqs or []], oracle=oracle)
+        pending = Pending(rids=[getattr(r, "rid", None) for r in reqs or []], oracle=oracle,
+                          cache_loc=np.array(model_worker_batch.cache_loc, np.int32))  # fmt: skip
         interval = self.config.sweep_interval
         if self.overlap and self.tree_cache is not None and interval > 0 and self._enqueued % interval == 0:
             pending.sweep = radix_entries(self.tree_cache)  # the tree as the scheduler's thread holds it now
@@ -450,7 +454,7 @@ class SglangCanary:
         oracle = {k: jnp.asarray(v) for k, v in pending.oracle.items()}
         if self.overlap and "expected_input_ids" in oracle:
             oracle["future_map"] = self.worker.future_token_ids_map  # the map this batch's input ids resolved with
-        fields = batch_fields(forward_batch)
+        fields = {**batch_fields(forward_batch), "cache_loc": jnp.asarray(pending.cache_loc)}
         static = dict(canary=self.canary, layout=self.layout, is_decode=is_decode)
         with jax.set_mesh(self.runner.mesh):
             self.state = _head(self.state, fields, oracle, **static)
