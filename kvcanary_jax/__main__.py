@@ -1,4 +1,5 @@
-"""Command line: ``python -m kvcanary_jax demo`` (the fault-injection demo) or ``python -m kvcanary_jax example``."""
+"""Command line: ``python -m kvcanary_jax demo`` (the fault-injection demo), ``example``, ``serve sglang-jax ...`` (the
+engine's server with the canary on) or ``tiny-model DIR`` (a tiny Llama to serve)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,15 @@ from pallas_kernels.backend import BACKENDS
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:2] == ["serve", "sglang-jax"]:
+        from kvcanary_jax.integrations import sglang_server  # every other argument is sglang-jax's
+
+        if {"-h", "--help"} & set(argv[2:3]):
+            sglang_server.canary_parser().print_help()
+            print("\nEvery other argument is sglang-jax's: python -m sgl_jax.launch_server --help")
+            return 0
+        return sglang_server.main(argv[2:])
     parser = argparse.ArgumentParser(prog="python -m kvcanary_jax", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     demo = commands.add_parser(
@@ -38,7 +48,21 @@ def main(argv: list[str] | None = None) -> int:
         "sglang-jax extra)",
     )  # fmt: skip
     commands.add_parser("example", help="write, verify and tamper one request's chain, printing the report")
+    serve = commands.add_parser(
+        "serve", help="serve sglang-jax (its launch_server arguments, unchanged) with the canary in its scheduler: "
+        "serve sglang-jax --model-path DIR ... [--canary-mode off|log|raise] [--canary-real-kv none|partial|all] "
+        "[--canary-sweep-interval N] [--canary-inject KIND[:PROB]]",
+    )  # fmt: skip
+    serve.add_argument("engine", choices=("sglang-jax",))
+    tiny = commands.add_parser("tiny-model", help="write a tiny random Llama (config, weights, local tokenizer) to DIR")
+    tiny.add_argument("dir", help="the model directory to write")
+    tiny.add_argument("--seed", type=int, default=0, help="seeds the random weights")
     args = parser.parse_args(argv)
+    if args.command == "tiny-model":
+        from kvcanary_jax.integrations import tiny_llama
+
+        print(tiny_llama.write_tiny_model(args.dir, seed=args.seed))
+        return 0
     if args.command == "demo" and args.engine == "sglang-jax":
         return _engine_demo(args)
     if args.command == "demo" and args.processes is not None:

@@ -10,9 +10,7 @@ engine's own ``ScheduleBatch`` helpers and ``RadixCache``, as ``Scheduler.get_ne
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
-import pathlib
 import tempfile
 
 import jax
@@ -26,22 +24,14 @@ from sgl_jax.srt.sampling.sampling_params import SamplingParams
 from sgl_jax.srt.server_args import ServerArgs
 from sgl_jax.srt.utils.mesh_utils import create_device_mesh
 
-# head_dim 128: the native attention backend pads head_dim to 128 and breaks below it.
-TINY_LLAMA = {
-    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 256, "intermediate_size": 512,
-    "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 128, "vocab_size": 512,
-    "max_position_embeddings": 512, "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "hidden_act": "silu",
-    "tie_word_embeddings": False, "torch_dtype": "bfloat16", "bos_token_id": 1, "eos_token_id": 2,
-}  # fmt: skip
+from kvcanary_jax.integrations import tiny_llama
+
 MAX_RUNNING, TOKEN_BUCKET, MAX_TOTAL_TOKENS = 16, 256, 2048
 
 
 def write_tiny_llama(directory: str | os.PathLike) -> str:
     """Writes the tiny Llama's ``config.json`` into ``directory``; returns the model path."""
-    path = pathlib.Path(directory)
-    path.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text(json.dumps(TINY_LLAMA, indent=1))
-    return str(path)
+    return str(tiny_llama.write_config(directory))
 
 
 def build_worker(model_path: str, *, page_size: int = 1, seed: int = 0) -> ModelWorker:

@@ -52,20 +52,6 @@ def request_adopt_entries(req, req_to_token_pool) -> kc.AdoptEntries:
     return kc.AdoptEntries.from_request(row, np.asarray(history, np.int32), n)
 
 
-def scheduler_requests(scheduler) -> list:
-    """The live requests of an sglang-jax ``Scheduler`` between steps (DP rank 0): the running batch's, the last
-    batch's (a prefill not merged yet) and the chunked request, each once."""
-    reqs = {}
-    for batch in (getattr(scheduler, "running_batch", None), getattr(scheduler, "last_batch", None)):
-        for info in getattr(batch, "reqs_info", None) or []:
-            for req in info.reqs or []:
-                reqs.setdefault(id(req), req)
-    for req in getattr(scheduler, "chunked_reqs", None) or []:
-        if req is not None:
-            reqs.setdefault(id(req), req)
-    return [r for r in reqs.values() if r.req_pool_idx is not None and not r.finished()]
-
-
 def adopt_entries(reqs, req_to_token_pool, tree_cache=None) -> kc.AdoptEntries:
     """The radix cache's slots first (predecessors before successors), then each request's own, each slot once."""
     parts = [radix_adopt_entries(tree_cache)] if tree_cache is not None else []
@@ -84,7 +70,7 @@ def adopt(guard, reqs, req_to_token_pool) -> int:
 
     Args:
       guard: the :class:`~kvcanary_jax.integrations.sglang_jax.SglangCanary` of the engine's worker.
-      reqs: the live requests (e.g. :func:`scheduler_requests`).
+      reqs: the live requests (e.g. :func:`~kvcanary_jax.integrations.sglang_jax.scheduler_requests`).
       req_to_token_pool: the scheduler's ``ReqToTokenPool``.
 
     Raises:

@@ -1,6 +1,6 @@
 """kvcanary-jax around sglang-jax's ``ModelRunner``: HEAD before and TAIL after every forward, in jits of their own.
 
-Wrap the ``ModelWorker`` your scheduler calls::
+Wrap the worker your scheduler calls (a ``ModelWorker``, or the overlap scheduler's ``ModelWorkerClient``)::
 
     guard = wrap(worker, kc.CanaryConfig(mode="raise", real_kv_hash_mode="partial"), tree_cache=tree_cache)
     for batch in ...:  # each ScheduleBatch, as Scheduler.run_batch gets it
@@ -22,10 +22,18 @@ What the engine's batch becomes (all on device, inside the HEAD / TAIL jits):
   engine's explicit mesh sharding.
 * sweep: every slot the ``RadixCache`` holds (a depth-first walk of its nodes).
 * token oracle: ``req.origin_input_ids + req.output_ids`` of each request, for the write-input assert (the tokens
-  each forward writes) and the verify-token assert (each cached slot's token).
+  each forward writes) and the verify-token assert (each cached slot's token), taken on the scheduler's thread when
+  the batch is handed to the worker.
+* the overlap scheduler (``ModelWorkerClient``): the forward runs on the worker's thread and the host history lags a
+  step, so a decode row's newest token is not known yet. Its expected input id is then the row's own future-map
+  entry (``map[req_pool_idx + 1]``, read on device: the token the row's previous forward sampled), independent of
+  the placeholder the batch carries; the verify-token assert checks that token one step later, from the history.
+  The step's end (the radix sweep, planned on the scheduler's thread, and the monitor) runs on the worker's thread
+  after the forward: ``after_step`` is not called by the user.
 
 Not mapped (refused with an error): speculative decoding, SWA / MLA / hybrid pools, data parallelism > 1 (each DP
-rank numbers its slots on its own), the overlap scheduler, the fused Pathways forward-and-sample path.
+rank numbers its slots on its own), the fused Pathways forward-and-sample path, and an engine that already holds
+requests or cached prefixes (its records were never written: see :func:`refuse_warm_engine`).
 """
 
 from __future__ import annotations
@@ -35,6 +43,7 @@ import dataclasses
 import functools
 import importlib
 import math
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -126,10 +135,18 @@ def canary_batch(fields: dict, layout: Layout, *, is_decode: bool, oracle: dict)
       layout: the engine's :class:`Layout`.
       is_decode: a DECODE batch (no extend arrays).
       oracle: ``expected_input_ids`` (i32[T]) and / or ``token_ids`` (i32[max_bs, W]) with ``token_ids_lens``
-        (i32[bs]), from :func:`token_oracle`; empty when the token asserts are off.
+        (i32[bs]), from :func:`token_oracle`; empty when the token asserts are off. Under the overlap scheduler it
+        also holds ``future_map``: a negative expected id ``-k`` means "the token at ``future_map[k]``".
     """
     if not jax.sharding.get_abstract_mesh().empty:  # P("data") on the engine's mesh: the mapping works replicated
         fields = {k: jax.sharding.reshard(v, P()) for k, v in fields.items()}
+        oracle = {k: jax.sharding.reshard(v, P()) for k, v in oracle.items()}
+    oracle = dict(oracle)
+    future_map = oracle.pop("future_map", None)
+    if future_map is not None and "expected_input_ids" in oracle:
+        expected = oracle["expected_input_ids"]
+        resolved = future_map[jnp.clip(-expected, 0, future_map.shape[0] - 1)]
+        oracle["expected_input_ids"] = jnp.where(expected < 0, resolved, expected)
     rpi, seq_lens = fields["req_pool_indices"].astype(jnp.int32), fields["seq_lens"].astype(jnp.int32)
     real = (rpi >= 0) & (seq_lens > 0)
     rows = jnp.where(real, jnp.arange(rpi.shape[0], dtype=jnp.int32), -1)
@@ -181,7 +198,9 @@ def token_oracle(reqs, model_worker_batch, layout: Layout, *, max_bs: int, write
     """The requests' own history (``origin_input_ids + output_ids``) laid out as the batch (numpy).
 
     Returns ``expected_input_ids`` (i32[T]: each token the forward must write) when ``write``, and ``token_ids``
-    (i32[max_bs, W]: each row's known tokens) with ``token_ids_lens`` (i32[bs]) when ``verify``.
+    (i32[max_bs, W]: each row's known tokens) with ``token_ids_lens`` (i32[bs]) when ``verify``. Under the overlap
+    scheduler a row's history may lag its batch by one token (sampled by the previous forward, not yet on the host):
+    that token's expected id is ``-(req_pool_idx + 1)``, the row's own future-map entry, resolved on device.
     """
     mwb = model_worker_batch
     num_tokens, bs = len(mwb.input_ids), len(mwb.seq_lens)
@@ -194,7 +213,13 @@ def token_oracle(reqs, model_worker_batch, layout: Layout, *, max_bs: int, write
         history = list(req.origin_input_ids) + list(req.output_ids)
         seq = int(mwb.seq_lens[b])
         n = 1 if is_decode else int(mwb.extend_seq_lens[b])
-        expected[t : t + n] = history[seq - n : seq]
+        if seq > len(history) + 1:
+            raise ValueError(
+                f"request {req.rid!r}: the batch runs {seq} tokens but its history holds {len(history)} (at most one "
+                "may be pending, under the overlap scheduler)"
+            )
+        lagged = history + [-(int(mwb.req_pool_indices[b]) + 1)] * max(0, seq - len(history))
+        expected[t : t + n] = lagged[seq - n : seq]
         t += n
         known = min(len(history), layout.table_width)
         table[b, :known] = history[:known]
@@ -224,8 +249,28 @@ def radix_entries(tree_cache, *, include=None) -> kc.SweepEntries:
 # --- the wrapper --------------------------------------------------------------------------------------------------
 
 
+@dataclasses.dataclass
+class Pending:
+    """What the scheduler's thread hands one forward (taken when the batch goes to the worker).
+
+    Attributes:
+      rids: each batch row's ``rid``; oracle: the host token oracle (numpy); cache_loc: a copy of the batch's
+      ``cache_loc`` (the engine builds it in one host buffer it reuses every step: under the overlap scheduler the next
+      batch overwrites it while this one runs, and on CPU the device array may alias it); sweep: the radix slots to
+      verify after the forward (overlap scheduler only); before_forward / before_sweep: callables run on the
+      forward's thread (fault drills).
+    """
+
+    rids: list
+    oracle: dict
+    cache_loc: np.ndarray | None = None
+    sweep: kc.SweepEntries | None = None
+    before_forward: list = dataclasses.field(default_factory=list)
+    before_sweep: list = dataclasses.field(default_factory=list)
+
+
 class SglangCanary:
-    """The canary around one sglang-jax ``ModelWorker``; made by :func:`wrap`.
+    """The canary around one sglang-jax worker; made by :func:`wrap`.
 
     Attributes:
       canary: the :class:`kvcanary_jax.KvCanary` (its pool: every slot of the engine's KV pool).
@@ -233,10 +278,15 @@ class SglangCanary:
       monitor: the :class:`kvcanary_jax.CanaryMonitor` reading it.
       layout: the engine's :class:`Layout`.
       steps: forwards run so far (the step number reports use).
+      overlap: the worker is the overlap scheduler's ``ModelWorkerClient`` (the step's end runs on its thread).
+      on_enqueue: ``f(guard, model_worker_batch, pending)`` on the scheduler's thread as each batch goes to the worker.
+      on_step_end: ``f(guard, new_observed)`` after each monitor check, before a violation is raised.
     """
 
     def __init__(self, worker, config: kc.CanaryConfig, *, tree_cache=None, table_width: int | None = None):
+        self.overlap = _is_overlap_client(worker)
         self.worker, self.runner, self.config, self.tree_cache = worker, worker.model_runner, config, tree_cache
+        self.model_worker = worker.worker if self.overlap else worker
         kv0 = self.runner.token_to_kv_pool.kv_buffer[0]
         page_size = int(kv0.shape[1])
         width = int(table_width or self.runner.model_config.context_len)
@@ -253,13 +303,22 @@ class SglangCanary:
         self.monitor = kc.CanaryMonitor(self.canary)
         self.state = self._on_mesh(self.canary.init_state())
         self.steps = 0
-        self._model_worker_batch = None
+        self.on_enqueue: Callable | None = None
+        self.on_step_end: Callable | None = None
+        self._enqueued = 0
+        self._reported = 0  # monitor.observed rows handed to on_step_end
         self._reqs = None
+        self._pending: dict = {}  # bid -> Pending, from the scheduler's thread to the forward's
+        self._current: Pending | None = None
+        self._current_bid = None
         self._requests = collections.OrderedDict()  # step -> rids by batch row
         self._forward = self.runner.forward
-        self._forward_batch_generation = worker.forward_batch_generation
+        self._forward_batch_generation = self.model_worker.forward_batch_generation
         self.runner.forward = self.forward
-        worker.forward_batch_generation = self._generate
+        self.model_worker.forward_batch_generation = self._generate
+        if self.overlap:
+            self._client_generate = worker.forward_batch_generation
+            worker.forward_batch_generation = self._enqueue
 
     # -- what the user calls ---------------------------------------------------------------------------------------
 
@@ -279,18 +338,23 @@ class SglangCanary:
     def after_step(self) -> None:
         """After the scheduler processed the step: sweeps the radix cache when due, then the lagged report check.
 
+        Under the overlap scheduler the worker's thread does this itself after each forward: calling it is an error.
+
         Raises:
           KvCanaryViolationError: in raise mode, when a step ``check_lag_steps`` ago recorded violations.
         """
+        if self.overlap:
+            raise RuntimeError("under the overlap scheduler the worker's thread ends each step itself; do not call "
+                               "after_step()")  # fmt: skip
         if self.tree_cache is not None and self.monitor.sweep_due:
             self.sweep()
-        self.monitor.after_step(self.state, step=self.steps - 1)
+        self._check()
 
-    def sweep(self) -> None:
-        """Verifies every slot the radix cache holds now (``after_step`` runs it every ``sweep_interval`` steps)."""
-        if self.tree_cache is None:
+    def sweep(self, entries: kc.SweepEntries | None = None) -> None:
+        """Verifies every slot the radix cache holds now, or ``entries`` (the step's end runs it when due)."""
+        if entries is None and self.tree_cache is None:
             raise ValueError("sweep needs the engine's RadixCache: wrap(worker, config, tree_cache=...)")
-        plan = self.canary.sweep_plan(radix_entries(self.tree_cache))
+        plan = self.canary.sweep_plan(radix_entries(self.tree_cache) if entries is None else entries)
         with jax.set_mesh(self.runner.mesh):
             self.state = _sweep(self.state, plan, self.runner.token_to_kv_pool.kv_buffer[0], canary=self.canary)
 
@@ -308,10 +372,18 @@ class SglangCanary:
         """The ``rid`` of each batch row at ``step`` (a violation's ``request_row``), for the last steps."""
         return self._requests[step]
 
+    def rid_of(self, observed) -> str | None:
+        """The ``rid`` an :class:`kvcanary_jax.ObservedViolation` names (None: no request, or too long ago)."""
+        row = observed.violation.request_row
+        rids = self._requests.get(observed.user_step, [])
+        return rids[row] if row is not None and 0 <= row < len(rids) else None
+
     def unwrap(self) -> None:
         """Gives the worker and its runner their own methods back."""
         self.runner.forward = self._forward
-        self.worker.forward_batch_generation = self._forward_batch_generation
+        self.model_worker.forward_batch_generation = self._forward_batch_generation
+        if self.overlap:
+            self.worker.forward_batch_generation = self._client_generate
 
     def __enter__(self) -> SglangCanary:
         return self
@@ -326,13 +398,45 @@ class SglangCanary:
 
     # -- the engine's calls ----------------------------------------------------------------------------------------
 
+    def _take(self, model_worker_batch) -> Pending:
+        """The forward's :class:`Pending`, from the history as it is now (the scheduler's thread)."""
+        write, verify = self.config.enable_write_input_assert, self.config.enable_verify_token_assert
+        reqs, self._reqs = self._reqs, None
+        if (write or verify) and reqs is None:
+            raise ValueError(
+                "the token asserts need the requests' history: call guard.expect(schedule_batch) before each "
+                "forward, and run the forward through worker.forward_batch_generation(model_worker_batch)"
+            )
+        oracle = {}
+        if write or verify:
+            oracle = token_oracle(reqs, model_worker_batch, self.layout, max_bs=self.max_bs, write=write,
+                                  verify=verify)  # fmt: skip
+        pending = Pending(rids=[getattr(r, "rid", None) for r in reqs or []], oracle=oracle,
+                          cache_loc=np.array(model_worker_batch.cache_loc, np.int32))  # fmt: skip
+        interval = self.config.sweep_interval
+        if self.overlap and self.tree_cache is not None and interval > 0 and self._enqueued % interval == 0:
+            pending.sweep = radix_entries(self.tree_cache)  # the tree as the scheduler's thread holds it now
+        self._enqueued += 1
+        if self.on_enqueue is not None:
+            self.on_enqueue(self, model_worker_batch, pending)
+        return pending
+
+    def _enqueue(self, model_worker_batch, *args, **kwargs):
+        """``ModelWorkerClient.forward_batch_generation`` (the scheduler's thread): hands the forward its Pending."""
+        self._pending[model_worker_batch.bid] = self._take(model_worker_batch)
+        return self._client_generate(model_worker_batch, *args, **kwargs)
+
     def _generate(self, model_worker_batch, *args, **kwargs):
-        """``ModelWorker.forward_batch_generation``, keeping the batch's host arrays for the token oracle."""
-        self._model_worker_batch = model_worker_batch
+        """``ModelWorker.forward_batch_generation`` (the forward's thread), with the batch's Pending."""
+        if self.overlap:
+            self._current = self._pending.pop(model_worker_batch.bid)
+        else:
+            self._current = self._take(model_worker_batch)
+        self._current_bid = model_worker_batch.bid
         try:
             return self._forward_batch_generation(model_worker_batch, *args, **kwargs)
         finally:
-            self._model_worker_batch = None
+            self._current = None
 
     def forward(self, forward_batch, logits_metadata=None, *args, **kwargs):
         """``ModelRunner.forward`` with HEAD before and TAIL after it (installed on the runner by :func:`wrap`)."""
@@ -344,9 +448,19 @@ class SglangCanary:
                 f"kvcanary's sglang-jax mapping covers {', '.join(_MAPPED_MODES)} forwards; got {mode.name} "
                 "(speculative decoding is not mapped)"
             )
+        pending = self._current
+        if pending is None or self._current_bid != forward_batch.bid:
+            raise ValueError(
+                "the canary needs each forward's batch: run it through worker.forward_batch_generation("
+                "model_worker_batch), after guard.expect(schedule_batch) when the token asserts are on"
+            )
+        for action in pending.before_forward:
+            action(self)
         is_decode = mode.name == "DECODE"
-        oracle = self._oracle(forward_batch)
-        fields = batch_fields(forward_batch)
+        oracle = {k: jnp.asarray(v) for k, v in pending.oracle.items()}
+        if self.overlap and "expected_input_ids" in oracle:
+            oracle["future_map"] = self.worker.future_token_ids_map  # the map this batch's input ids resolved with
+        fields = {**batch_fields(forward_batch), "cache_loc": jnp.asarray(pending.cache_loc)}
         static = dict(canary=self.canary, layout=self.layout, is_decode=is_decode)
         with jax.set_mesh(self.runner.mesh):
             self.state = _head(self.state, fields, oracle, **static)
@@ -356,30 +470,78 @@ class SglangCanary:
             self.state = _tail(self.state, fields, oracle, kv0, **static)
         if self.steps == 0:  # warm-up over: the write-time chain-position assert turns on
             self.state = self._on_mesh(self.canary.mark_init_finished(self.state))
-        self._requests[self.steps] = [getattr(r, "rid", None) for r in self._reqs or []]
+        self._requests[self.steps] = pending.rids
         while len(self._requests) > _KEEP_REQUESTS:
             self._requests.popitem(last=False)
-        self._reqs = None
         self.steps += 1
+        if self.overlap:  # the step's end, on this thread: the state is never touched from two threads
+            if pending.sweep is not None:
+                for action in pending.before_sweep:
+                    action(self)
+                self.sweep(pending.sweep)
+            self._check()
         return out
 
-    def _oracle(self, forward_batch) -> dict:
-        write, verify = self.config.enable_write_input_assert, self.config.enable_verify_token_assert
-        if not (write or verify):
-            return {}
-        mwb = self._model_worker_batch
-        if self._reqs is None or mwb is None or mwb.bid != forward_batch.bid:
-            raise ValueError(
-                "the token asserts need the requests' history: call guard.expect(schedule_batch) before each "
-                "forward, and run the forward through worker.forward_batch_generation(model_worker_batch)"
-            )
-        oracle = token_oracle(self._reqs, mwb, self.layout, max_bs=self.max_bs, write=write, verify=verify)
-        return {k: jnp.asarray(v) for k, v in oracle.items()}
+    def _check(self) -> None:
+        """The monitor's lagged check; new reports go to ``on_step_end`` first (also when it raises)."""
+        try:
+            self.monitor.after_step(self.state, step=self.steps - 1)
+        finally:
+            new, self._reported = self.monitor.observed[self._reported :], len(self.monitor.observed)
+            if self.on_step_end is not None:
+                self.on_step_end(self, new)
 
     def _on_mesh(self, state):
         """The state replicated on the engine's mesh, typed as the jits return it (one compile per shape)."""
         mesh = self.runner.mesh
         return jax.tree.map(lambda x: jax.device_put(x, NamedSharding(mesh, P(*(None,) * x.ndim))), state)
+
+
+def _is_overlap_client(worker) -> bool:
+    """The overlap scheduler's ``ModelWorkerClient`` (a ``ModelWorker`` in ``.worker``, a future-token map)."""
+    return hasattr(worker, "future_token_ids_map") and hasattr(worker, "worker")
+
+
+def scheduler_requests(scheduler) -> list:
+    """The live requests of an sglang-jax ``Scheduler`` between steps (DP rank 0): the running batch's, the last
+    batch's (a prefill not merged yet) and the chunked request, each once."""
+    reqs = {}
+    for batch in (getattr(scheduler, "running_batch", None), getattr(scheduler, "last_batch", None)):
+        for info in getattr(batch, "reqs_info", None) or []:
+            for req in info.reqs or []:
+                reqs.setdefault(id(req), req)
+    for req in getattr(scheduler, "chunked_reqs", None) or []:
+        if req is not None:
+            reqs.setdefault(id(req), req)
+    return [r for r in reqs.values() if r.req_pool_idx is not None and not r.finished()]
+
+
+def refuse_warm_engine(worker, tree_cache=None) -> None:
+    """Refuses an engine that already holds requests or cached prefixes: their slots have no records.
+
+    Wrapping it would report every such slot as corrupt at its first read (``verify_chain_hash``); ``wrap(...,
+    live_requests=...)`` adopts them instead (writes their records once from the engine's tables).
+
+    Raises:
+      ValueError: naming what the engine holds.
+    """
+    req_pool, allocator = worker.get_memory_pool()
+    held = []
+    live = req_pool.size - req_pool.available_size()
+    if live:
+        held.append(f"{live} live request(s) in its req_to_token pool")
+    cached = int(tree_cache.total_size()) if tree_cache is not None else 0
+    if cached:
+        held.append(f"{cached} token(s) in its radix cache")
+    used = allocator.size - allocator.available_size() - cached
+    if used > 0 and not live:
+        held.append(f"{used} allocated KV slot(s)")
+    if held:
+        raise ValueError(
+            "kvcanary cannot wrap a warm engine: it holds " + ", ".join(held) + " written before the canary, which "
+            "would all be reported as corrupt; adopt them with wrap(..., live_requests=scheduler_requests(scheduler)) "
+            "between steps, wrap it before it serves, or flush its cache first"
+        )
 
 
 def _check_engine(worker, config) -> None:
@@ -389,24 +551,20 @@ def _check_engine(worker, config) -> None:
     runner = getattr(worker, "model_runner", None)
     if runner is None or not callable(getattr(worker, "forward_batch_generation", None)):
         raise TypeError(
-            "worker must be an sgl_jax ModelWorker (it has model_runner and forward_batch_generation); got "
-            f"{type(worker).__name__}"
+            "worker must be an sgl_jax ModelWorker or ModelWorkerClient (it has model_runner and "
+            f"forward_batch_generation); got {type(worker).__name__}"
         )
     if isinstance(getattr(runner.forward, "__self__", None), SglangCanary):
         raise ValueError("this worker is wrapped already; call unwrap() on its guard first")
-    args = worker.server_args
+    model_worker = worker.worker if _is_overlap_client(worker) else worker
+    args = model_worker.server_args
     problems = []
     algorithm = getattr(args, "speculative_algorithm", None)
     if algorithm not in (None, "", "NONE", "none"):
         problems.append(f"speculative decoding (speculative_algorithm={algorithm!r})")
     if int(getattr(args, "dp_size", 1) or 1) > 1:
         problems.append(f"data parallelism (dp_size={args.dp_size}: each DP rank numbers its KV slots on its own)")
-    if not getattr(args, "disable_overlap_schedule", False):
-        problems.append(
-            "the overlap scheduler (decode input ids are resolved on device and the history lags a step; "
-            "run with disable_overlap_schedule=True)"
-        )
-    if getattr(worker, "_pd_fuse_sample", False):
+    if getattr(model_worker, "_pd_fuse_sample", False):
         problems.append("the fused Pathways forward-and-sample path (it bypasses ModelRunner.forward)")
     pool = type(runner.token_to_kv_pool).__name__
     if pool != "MHATokenToKVPool":
@@ -419,7 +577,9 @@ def _check_engine(worker, config) -> None:
         raise NotImplementedError(f"unexpected KV layer layout {jax.typeof(kv0)} for page_size={runner.page_size}")
 
 
-def wrap(worker, config: kc.CanaryConfig, *, tree_cache=None, table_width: int | None = None) -> SglangCanary:
+def wrap(
+    worker, config: kc.CanaryConfig, *, tree_cache=None, table_width: int | None = None, live_requests=None
+) -> SglangCanary:
     """Puts the canary around a sglang-jax ``ModelWorker``'s forwards; returns the guard.
 
     From then on ``worker.forward_batch_generation`` (and so ``worker.model_runner.forward``) runs HEAD before and
@@ -427,10 +587,15 @@ def wrap(worker, config: kc.CanaryConfig, *, tree_cache=None, table_width: int |
     bucket and mode, as for the engine.
 
     Args:
-      worker: the ``sgl_jax`` ``ModelWorker`` the scheduler calls (disable_overlap_schedule=True, dp_size=1).
+      worker: the ``sgl_jax`` worker the scheduler calls: a ``ModelWorker``, or the overlap scheduler's
+        ``ModelWorkerClient`` (dp_size=1), before it served anything.
       config: the :class:`kvcanary_jax.CanaryConfig`; ``backend="auto"`` reads the engine's sharded KV in place.
       tree_cache: the scheduler's ``RadixCache``, swept every ``config.sweep_interval`` steps (None: no sweep).
       table_width: columns of the device-built page table; default the model's context length.
+      live_requests: on a warm engine (one that served before the wrap), its live requests, e.g.
+        :func:`scheduler_requests` of its ``Scheduler`` between steps: the records of their slots and of every slot
+        ``tree_cache`` holds are adopted once (:meth:`SglangCanary.adopt`), then checked from there. None: the engine
+        must be cold (nothing cached yet).
 
     Returns:
       The :class:`SglangCanary` guard; as a context manager it runs :meth:`SglangCanary.final_check` and unwraps on
@@ -440,6 +605,8 @@ def wrap(worker, config: kc.CanaryConfig, *, tree_cache=None, table_width: int |
       ImportError: sglang-jax is not installed (with the command that installs it).
       TypeError: ``worker`` or ``config`` of the wrong type.
       NotImplementedError: an engine set-up the mapping does not cover, named.
+      ValueError: the engine already holds requests or cached prefixes and ``live_requests`` is None
+        (:func:`refuse_warm_engine`), or an entry of its tables cannot be adopted.
     """
     require_sglang_jax()
     _check_engine(worker, config)
@@ -450,9 +617,14 @@ def wrap(worker, config: kc.CanaryConfig, *, tree_cache=None, table_width: int |
                 f"table_width must be a positive int of at least the engine's longest request (model_config."
                 f"context_len={context}); got table_width={table_width!r}"
             )
+    if live_requests is None:
+        refuse_warm_engine(worker, tree_cache)
     if config.sweep_interval > 0 and tree_cache is None:
         raise ValueError(
             f"config.sweep_interval={config.sweep_interval} sweeps the radix cache: pass tree_cache=<the "
             "scheduler's RadixCache>, or set sweep_interval=0"
         )
-    return SglangCanary(worker, config, tree_cache=tree_cache, table_width=table_width)
+    guard = SglangCanary(worker, config, tree_cache=tree_cache, table_width=table_width)
+    if live_requests is not None:
+        guard.adopt(live_requests, worker.get_memory_pool()[0])
+    return guard

@@ -55,9 +55,9 @@ def _warm(worker):
 
 def test_a_warm_engine_adopted_runs_silent_and_a_later_fault_is_caught(worker):
     sched = _warm(worker)
-    guard = sglang_jax.wrap(worker, CONFIG, tree_cache=sched.tree_cache)
+    guard = sglang_jax.wrap(worker, CONFIG, tree_cache=sched.tree_cache, live_requests=sched.running_reqs())
     try:
-        adopted = guard.adopt(sched.running_reqs(), sched.req_to_token_pool)
+        adopted = len(_sglang_adopt.adopt_entries(sched.running_reqs(), sched.req_to_token_pool, sched.tree_cache).slots)
         table = sched.req_to_token_pool.req_to_token
         held = {int(s) for r in sched.running_reqs() for s in table[r.req_pool_idx, : r.kv_committed_len]}
         assert adopted >= len(held) > 0
@@ -76,16 +76,12 @@ def test_a_warm_engine_adopted_runs_silent_and_a_later_fault_is_caught(worker):
         guard.unwrap()
 
 
-def test_without_adoption_the_warm_engine_reports_its_cached_slots(worker):
-    """The problem adoption solves (and what makes the test above able to fail)."""
+def test_without_adoption_a_warm_engine_is_refused_by_name(worker):
+    """Unadopted, its cached slots have no records and would all be reported: wrap refuses it instead."""
     sched = _warm(worker)
-    guard = sglang_jax.wrap(worker, CONFIG, tree_cache=sched.tree_cache)
-    try:
-        _serve(sched, 1, guard)
-        report = read_violations(guard.state.violation_log)
-        assert report.is_errored and report.first_violation.fail_reason & FailReason.VERIFY_CHAIN_HASH_MISMATCH
-    finally:
-        guard.unwrap()
+    with pytest.raises(ValueError, match=r"cannot wrap a warm engine: it holds \d+ live request.*live_requests="):
+        sglang_jax.wrap(worker, CONFIG, tree_cache=sched.tree_cache)
+    assert worker.model_runner.forward.__self__ is worker.model_runner  # nothing was wrapped
 
 
 def test_misuse_is_named():
@@ -108,4 +104,4 @@ def test_scheduler_requests_lists_each_live_request_once():
     batch = lambda *reqs: types.SimpleNamespace(reqs_info=[types.SimpleNamespace(reqs=list(reqs))])  # noqa: E731
     scheduler = types.SimpleNamespace(running_batch=batch(a, b, gone), last_batch=batch(b, c, unplaced),
                                       chunked_reqs=[d, None])  # fmt: skip
-    assert [r.rid for r in _sglang_adopt.scheduler_requests(scheduler)] == ["a", "b", "c", "d"]
+    assert [r.rid for r in sglang_jax.scheduler_requests(scheduler)] == ["a", "b", "c", "d"]

@@ -83,6 +83,7 @@ def test_the_token_asserts_need_the_requests(worker):
 
 def test_unmapped_set_ups_are_refused_by_name(worker):
     config = kc.CanaryConfig(sweep_interval=0)
+    sglang_engine.MiniScheduler(worker, [])  # a cold engine: empty pools
     with pytest.raises(TypeError, match="config must be a kvcanary_jax.CanaryConfig"):
         sglang_jax.wrap(worker, {"mode": "raise"})
     with pytest.raises(ValueError, match="pass tree_cache="):
@@ -93,7 +94,6 @@ def test_unmapped_set_ups_are_refused_by_name(worker):
             sglang_jax.wrap(worker, config, table_width=width)
     for change, message in [
         ({"dp_size": 2}, r"data parallelism \(dp_size=2"),
-        ({"disable_overlap_schedule": False}, "the overlap scheduler"),
         ({"speculative_algorithm": "EAGLE"}, "speculative decoding"),
     ]:
         other = types.SimpleNamespace(model_runner=worker.model_runner,
@@ -104,3 +104,14 @@ def test_unmapped_set_ups_are_refused_by_name(worker):
     with sglang_jax.wrap(worker, config):
         with pytest.raises(ValueError, match="wrapped already"):
             sglang_jax.wrap(worker, config)
+
+
+def test_a_warm_engine_is_refused_by_name(worker):
+    """An engine that served unwrapped holds slots with no records: wrapping it would report them all as corrupt."""
+    sched = sglang_engine.MiniScheduler(worker, sglang_engine.workload(0, 4))
+    batches = iter(sched)
+    for _ in range(3):
+        sched.run_batch(next(batches))
+    with pytest.raises(ValueError, match=r"cannot wrap a warm engine: it holds \d+ live request\(s\)"):
+        sglang_jax.wrap(worker, kc.CanaryConfig(sweep_interval=10), tree_cache=sched.tree_cache)
+    assert not isinstance(getattr(worker.model_runner.forward, "__self__", None), sglang_jax.SglangCanary)

@@ -1,0 +1,273 @@
+"""``python -m kvcanary_jax serve sglang-jax <launch_server args> [--canary-*]``: sglang-jax's server, canary on.
+
+Every argument not ``--canary-*`` goes to sglang-jax's own ``ServerArgs`` parser unchanged. The engine runs its
+scheduler in a spawned process (a patch made here would not reach it), so the engine is told to start
+
+:func:`run_scheduler_process` of this module instead of its own: it installs a subclass of the engine's ``Scheduler``
+that wraps its worker when it is built, in the child,
+then runs the engine's. ``--enable-single-process`` runs the same class in this process. The scheduler's own loop then
+drives the guard: ``run_batch`` feeds the requests (the token oracle), the step's end runs after the forward.
+
+A violation is logged as ``kvcanary violation: rid=... slot=... step=...``. In ``raise`` mode the scheduler then
+signals this process, which stops the engine (in-flight requests see their connection close) and exits with
+:data:`EXIT_VIOLATION`; the violation line is the last line logged.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+
+import kvcanary_jax as kc
+from kvcanary_jax.integrations import sglang_drills, sglang_jax
+
+logger = logging.getLogger("kvcanary_jax.serve")
+ENV = "KVCANARY_SERVE"  # the settings, from this process to the scheduler's
+EXIT_VIOLATION = 3
+_STOP_SIGNAL = signal.SIGUSR2
+
+
+@dataclasses.dataclass(frozen=True)
+class ServeSettings:
+    """The ``--canary-*`` options (see :func:`canary_parser`) and the pid to signal on a raise-mode stop."""
+
+    mode: str = "log"
+    real_kv: str = "partial"
+    sweep_interval: int = 16
+    inject: str | None = None
+    inject_seed: int = 0
+    token_asserts: bool = True
+    server_pid: int = 0
+
+    def config(self) -> kc.CanaryConfig:
+        return kc.CanaryConfig(
+            mode="log" if self.mode == "raise" else self.mode,  # raise: this module stops the engine itself
+            real_kv_hash_mode=self.real_kv,
+            sweep_interval=self.sweep_interval,
+            enable_write_input_assert=self.token_asserts,
+            enable_verify_token_assert=self.token_asserts,
+        )
+
+
+def canary_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m kvcanary_jax serve sglang-jax", add_help=False,
+                                usage="%(prog)s <sglang-jax launch_server arguments> [--canary-* options]")  # fmt: skip
+    p.add_argument("--canary-mode", default="log", choices=("off", "log", "raise"),
+                   help="log: each violation is logged and counted, serving goes on; raise: the first stops the "
+                   "server (exit code 3); off: no canary")  # fmt: skip
+    p.add_argument("--canary-real-kv", default="partial", choices=("none", "partial", "all"),
+                   help="hash the real K/V bytes of each slot: none (records only), partial (a few bytes per slot), "
+                   "all (every byte)")  # fmt: skip
+    p.add_argument("--canary-sweep-interval", type=int, default=16, metavar="N",
+                   help="verify every slot the radix cache holds every N steps (0: never)")  # fmt: skip
+    p.add_argument("--canary-no-token-asserts", action="store_true",
+                   help="skip the write-input and verify-token asserts (no host token table per step)")  # fmt: skip
+    p.add_argument("--canary-inject", default=os.environ.get("KVCANARY_INJECT"), metavar="KIND[:PROB]",
+                   help=f"fault drill, one of {', '.join(sglang_drills.KINDS)}, fired with PROB per step (default "
+                   "0.1; env KVCANARY_INJECT)")  # fmt: skip
+    p.add_argument("--canary-inject-seed", type=int, default=0, help="seed of the drill's choices")
+    return p
+
+
+def split_args(argv: list[str]) -> tuple[ServeSettings, list[str]]:
+    """``(settings, the rest)``: the ``--canary-*`` options parsed, every other argument untouched, in order."""
+    # an option's value follows it as the next argument unless written --opt=value
+    canary, rest, i = [], [], 0
+    takes_value = {"--canary-mode", "--canary-real-kv", "--canary-sweep-interval", "--canary-inject",
+                   "--canary-inject-seed"}  # fmt: skip
+    while i < len(argv):
+        a = argv[i]
+        if a.startswith("--canary-"):
+            canary.append(a)
+            if a in takes_value and i + 1 < len(argv):
+                canary.append(argv[i + 1])
+                i += 1
+        else:
+            rest.append(a)
+        i += 1
+    ns = canary_parser().parse_args(canary)
+    if ns.canary_sweep_interval < 0:
+        raise ValueError(f"--canary-sweep-interval must be >= 0; got {ns.canary_sweep_interval}")
+    if ns.canary_inject:
+        spec = sglang_drills.DrillSpec.parse(ns.canary_inject)
+        if ns.canary_mode == "off":
+            raise ValueError("--canary-inject needs the canary on (--canary-mode log or raise)")
+        if spec.kind in ("live_kv", "idle_cache_kv") and ns.canary_real_kv == "none":
+            raise ValueError(f"--canary-inject {spec.kind} flips KV bytes: it needs --canary-real-kv partial or all")
+        if spec.kind == "idle_cache_kv" and ns.canary_sweep_interval == 0:
+            raise ValueError("--canary-inject idle_cache_kv is found by the sweep: set --canary-sweep-interval > 0")
+        if spec.kind == "token_swap" and ns.canary_no_token_asserts:
+            raise ValueError("--canary-inject token_swap is found by the token asserts: drop --canary-no-token-asserts")
+    settings = ServeSettings(mode=ns.canary_mode, real_kv=ns.canary_real_kv, sweep_interval=ns.canary_sweep_interval,
+                             inject=ns.canary_inject, inject_seed=ns.canary_inject_seed,
+                             token_asserts=not ns.canary_no_token_asserts, server_pid=os.getpid())  # fmt: skip
+    return settings, rest
+
+
+def refuse_unmapped(server_args) -> None:
+    """At startup, before anything serves: refuses by name what the canary's mapping does not cover."""
+    problems = []
+    if server_args.speculative_algorithm not in (None, "", "NONE"):
+        problems.append(f"speculative decoding (--speculative-algorithm {server_args.speculative_algorithm})")
+    if int(server_args.dp_size or 1) > 1:
+        problems.append(f"data parallelism (--dp-size {server_args.dp_size}: each rank numbers its KV slots alone)")
+    if getattr(server_args, "disaggregation_mode", "null") != "null":
+        problems.append(f"PD disaggregation (--disaggregation-mode {server_args.disaggregation_mode})")
+    if getattr(server_args, "multimodal", False):
+        problems.append("the multimodal server")
+    if problems:
+        raise NotImplementedError("kvcanary serve does not map " + "; ".join(problems))
+
+
+# --- inside the scheduler's process --------------------------------------------------------------------------------
+
+
+def attach(scheduler, settings: ServeSettings) -> sglang_jax.SglangCanary | None:
+    """Wraps the scheduler's worker and hooks its ``run_batch``; the scheduler's loop drives the guard from then on."""
+    if settings.mode == "off":
+        return None
+    if getattr(scheduler, "pd", None):
+        raise NotImplementedError("kvcanary serve does not map the Pathways PD workers")
+    tree_cache = scheduler.tree_cache if settings.sweep_interval else None
+    if tree_cache is not None and type(tree_cache).__name__ != "RadixCache":
+        raise NotImplementedError(f"kvcanary's sweep maps the RadixCache only; got {type(tree_cache).__name__}")
+    guard = sglang_jax.wrap(scheduler.tp_worker, settings.config(), tree_cache=tree_cache)
+    metrics = None
+    if scheduler.server_args.enable_metrics:
+        from kvcanary_jax.integrations.sglang_metrics import CanaryMetrics
+
+        metrics = CanaryMetrics()
+    guard.on_step_end = _Reporter(settings, metrics)
+    drill = None
+    if settings.inject:
+        drill = sglang_drills.Drill(sglang_drills.DrillSpec.parse(settings.inject, settings.inject_seed), scheduler)
+        guard.on_enqueue = drill.on_enqueue
+        logger.warning("!" * 100)
+        logger.warning("kvcanary DRILL ON: %s will corrupt this engine's state on purpose (--canary-inject). NOT FOR "
+                       "PRODUCTION TRAFFIC.", settings.inject)  # fmt: skip
+        logger.warning("!" * 100)
+    run_batch = scheduler.run_batch
+
+    def run_batch_with_canary(batch):
+        guard.expect(batch)
+        undo = drill.before_run_batch(batch) if drill else None
+        try:
+            result = run_batch(batch)
+        finally:
+            if undo is not None:
+                undo()
+        if not guard.overlap:
+            guard.after_step()
+        return result
+
+    scheduler.run_batch = run_batch_with_canary
+    logger.info("kvcanary on: mode=%s real_kv=%s sweep_interval=%d token_asserts=%s overlap=%s page_size=%d",
+                settings.mode, settings.real_kv, settings.sweep_interval, settings.token_asserts, guard.overlap,
+                guard.layout.page_size)  # fmt: skip
+    return guard
+
+
+class _Reporter:
+    """The guard's step end: one log line per violation (rid, slot, step), the counters; a raise-mode stop."""
+
+    def __init__(self, settings: ServeSettings, metrics):
+        self.settings, self.metrics = settings, metrics
+
+    def __call__(self, guard, observed: list) -> None:
+        if self.metrics is not None:
+            self.metrics.count_violations(observed)
+            self.metrics.after_step(guard.state)
+        for o in observed:
+            v = o.violation
+            logger.error("kvcanary violation: rid=%s slot=%s step=%s launch=%s reason=%s position=%s",
+                         guard.rid_of(o), v.slot_idx, o.user_step, v.tag_label, "+".join(v.reason_labels),
+                         v.position)  # fmt: skip
+        if observed and self.settings.mode == "raise":
+            _stop(self.settings.server_pid)
+
+
+def _stop(server_pid: int) -> None:
+    """Raise mode: flushes the logs, signals the server process to stop the engine, and never returns."""
+    for handler in logging.getLogger().handlers + logger.handlers:
+        handler.flush()
+    os.kill(server_pid or os.getppid(), _STOP_SIGNAL)
+    threading.Event().wait()  # the server kills this process
+
+
+def _scheduler_class(base):
+    class CanaryScheduler(base):
+        """The engine's ``Scheduler`` with the canary attached when it is built (before it reports ready)."""
+
+        def __init__(self, server_args, *args, **kwargs):
+            super().__init__(server_args, *args, **kwargs)
+            self.kvcanary = attach(self, ServeSettings(**json.loads(os.environ[ENV])))
+
+    return CanaryScheduler
+
+
+def install_in_this_process() -> None:
+    """Makes the engine build :class:`CanaryScheduler` wherever it builds its ``Scheduler`` in this process."""
+    from sgl_jax.srt.managers import scheduler as scheduler_module
+
+    if not getattr(scheduler_module.Scheduler, "_kvcanary", False):
+        cls = _scheduler_class(scheduler_module.Scheduler)
+        cls._kvcanary = True
+        scheduler_module.Scheduler = cls
+
+
+def run_scheduler_process(*args, **kwargs):
+    """The spawned scheduler's target (picklable by name): the canary installed, then the engine's own target."""
+    from sgl_jax.srt.managers import scheduler as scheduler_module
+
+    install_in_this_process()
+    return scheduler_module.run_scheduler_process(*args, **kwargs)
+
+
+# --- the server process ---------------------------------------------------------------------------------------------
+
+
+def _on_stop(signum, frame) -> None:
+    from sgl_jax.srt.utils import kill_process_tree
+
+    kill_process_tree(os.getpid(), include_parent=False)
+    os._exit(EXIT_VIOLATION)
+
+
+def main(argv: list[str]) -> int:
+    """Parses, refuses what is unmapped, then runs sglang-jax's ``launch_server`` with the canary in its scheduler."""
+    try:
+        settings, rest = split_args(argv)
+    except ValueError as err:
+        print(f"kvcanary serve: {err}", file=sys.stderr)
+        return 2
+    try:
+        sglang_jax.require_sglang_jax()
+    except ImportError as err:
+        print(f"kvcanary serve: {err}", file=sys.stderr)
+        return 1
+    from sgl_jax.srt.entrypoints import engine, http_server
+    from sgl_jax.srt.server_args import ServerArgs
+    from sgl_jax.srt.utils import kill_process_tree
+
+    server_args = ServerArgs.from_cli(rest)
+    try:
+        refuse_unmapped(server_args)
+    except NotImplementedError as err:
+        print(f"kvcanary serve: {err}", file=sys.stderr)
+        return 2
+    os.environ[ENV] = json.dumps(dataclasses.asdict(settings))
+    if settings.mode != "off":
+        engine.run_scheduler_process = run_scheduler_process  # the spawned child's target
+        install_in_this_process()  # --enable-single-process builds the scheduler here
+        signal.signal(_STOP_SIGNAL, _on_stop)
+    try:
+        http_server.launch(server_args)
+    finally:
+        kill_process_tree(os.getpid(), include_parent=False)
+    return 0

@@ -1,0 +1,87 @@
+"""A tiny Llama model directory for trials, no hub: ``python -m kvcanary_jax tiny-model DIR``.
+
+Writes a ``config.json`` (sizes that run on CPU with sglang-jax's native attention: ``head_dim`` 128, below which it
+breaks), random weights as ``model.safetensors`` (dummy weights, ``--load-format dummy``, give an all-zero KV cache
+and all-zero tokens), and a small local byte-level BPE tokenizer (``tokenizer.json``, built with ``tokenizers``), so
+an OpenAI-style ``/v1/completions`` request with a text prompt works.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+
+import numpy as np
+
+TINY_LLAMA = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 256, "intermediate_size": 512,
+    "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 128, "vocab_size": 512,
+    "max_position_embeddings": 512, "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "hidden_act": "silu",
+    "tie_word_embeddings": False, "torch_dtype": "bfloat16", "bos_token_id": 1, "eos_token_id": 2,
+}  # fmt: skip
+_SPECIAL = ["<unk>", "<s>", "</s>"]  # ids 0, 1, 2: the config's bos / eos
+_CORPUS = (
+    "The quick brown fox jumps over the lazy dog. A KV cache holds the keys and values of every token a request has "
+    "seen; a canary record per slot says which token, at which position, after which hash. Servers batch requests, "
+    "share prompt prefixes in a radix tree, and page their memory. Once upon a time there was a small model that "
+    "answered questions about numbers: one two three four five six seven eight nine ten."
+)
+
+
+def write_config(directory: str | os.PathLike) -> pathlib.Path:
+    """Writes the tiny Llama's ``config.json`` into ``directory`` (made if missing); returns the directory."""
+    path = pathlib.Path(directory)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(TINY_LLAMA, indent=1))
+    return path
+
+
+def _weights(seed: int, scale: float = 0.05) -> dict[str, np.ndarray]:
+    """Random float32 weights under the Hugging Face Llama names: N(0, scale), norms 1."""
+    c, rng = TINY_LLAMA, np.random.default_rng(seed)
+    hidden, inter, head = c["hidden_size"], c["intermediate_size"], c["head_dim"]
+    q, kv = c["num_attention_heads"] * head, c["num_key_value_heads"] * head
+    shapes = {"model.embed_tokens.weight": (c["vocab_size"], hidden), "lm_head.weight": (c["vocab_size"], hidden)}
+    for i in range(c["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        shapes |= {p + "self_attn.q_proj.weight": (q, hidden), p + "self_attn.k_proj.weight": (kv, hidden),
+                   p + "self_attn.v_proj.weight": (kv, hidden), p + "self_attn.o_proj.weight": (hidden, q),
+                   p + "mlp.gate_proj.weight": (inter, hidden), p + "mlp.up_proj.weight": (inter, hidden),
+                   p + "mlp.down_proj.weight": (hidden, inter)}  # fmt: skip
+    out = {k: (rng.standard_normal(s) * scale).astype(np.float32) for k, s in shapes.items()}
+    layer_norms = ("input_layernorm.weight", "post_attention_layernorm.weight")
+    layers = range(c["num_hidden_layers"])
+    norms = ["model.norm.weight"] + [f"model.layers.{i}.{n}" for i in layers for n in layer_norms]
+    out |= {k: np.ones(hidden, np.float32) for k in norms}
+    return out
+
+
+def _write_tokenizer(path: pathlib.Path) -> None:
+    """A byte-level BPE with the model's vocabulary size, trained on a built-in paragraph."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=TINY_LLAMA["vocab_size"], special_tokens=_SPECIAL,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+    )  # fmt: skip
+    tok.train_from_iterator([_CORPUS] * 4, trainer)
+    # every id the model can sample decodes to something: pad the vocabulary to the model's
+    tok.add_tokens([f"<x{i}>" for i in range(TINY_LLAMA["vocab_size"] - tok.get_vocab_size())])
+    tok.save(str(path / "tokenizer.json"))
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>",
+              "unk_token": "<unk>", "model_max_length": TINY_LLAMA["max_position_embeddings"]}  # fmt: skip
+    (path / "tokenizer_config.json").write_text(json.dumps(config, indent=1))
+
+
+def write_tiny_model(directory: str | os.PathLike, *, seed: int = 0) -> str:
+    """Writes the config, random weights and tokenizer into ``directory``; returns its path."""
+    from safetensors.numpy import save_file
+
+    path = write_config(directory)
+    save_file(_weights(seed), str(path / "model.safetensors"))
+    _write_tokenizer(path)
+    return str(path)

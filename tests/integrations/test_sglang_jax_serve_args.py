@@ -1,0 +1,69 @@
+"""The serve command's own parts that need no engine: the ``--canary-*`` split, drill specs, startup refusals, and
+the token oracle under the overlap scheduler's one-step-lagged history (hand-computed)."""
+
+from __future__ import annotations
+
+import types
+
+import numpy as np
+import pytest
+
+from kvcanary_jax.integrations import sglang_drills, sglang_jax, sglang_server
+
+
+def test_canary_options_are_split_off_and_the_rest_is_kept_in_order():
+    argv = ["--model-path", "/m", "--canary-mode", "raise", "--page-size", "4", "--canary-inject=live_kv:0.5",
+            "--canary-sweep-interval", "8", "--enable-metrics"]  # fmt: skip
+    settings, rest = sglang_server.split_args(argv)
+    assert rest == ["--model-path", "/m", "--page-size", "4", "--enable-metrics"]
+    assert (settings.mode, settings.inject, settings.sweep_interval, settings.real_kv) == ("raise", "live_kv:0.5", 8,
+                                                                                           "partial")  # fmt: skip
+    config = settings.config()
+    assert config.mode.value == "log"  # raise: the server stops the engine itself, after the violation line
+    assert config.enable_write_input_assert and config.enable_verify_token_assert
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--canary-inject", "bitrot"], "kind must be one of live_kv"),
+    (["--canary-inject", "live_kv:2"], r"probability must be in \(0, 1\]"),
+    (["--canary-inject", "live_kv:x"], "probability must be a number"),
+    (["--canary-inject", "live_kv", "--canary-real-kv", "none"], "needs --canary-real-kv partial or all"),
+    (["--canary-inject", "idle_cache_kv", "--canary-sweep-interval", "0"], "found by the sweep"),
+    (["--canary-inject", "token_swap", "--canary-no-token-asserts"], "found by the token asserts"),
+    (["--canary-sweep-interval", "-1"], "must be >= 0"),
+])  # fmt: skip
+def test_bad_canary_options_are_named(argv, message):
+    with pytest.raises(ValueError, match=message):
+        sglang_server.split_args(argv)
+
+
+def test_drill_spec_default_probability():
+    assert sglang_drills.DrillSpec.parse("token_swap", seed=3) == sglang_drills.DrillSpec("token_swap", 0.1, 3)
+
+
+def test_unmapped_server_set_ups_are_refused_before_launch():
+    args = types.SimpleNamespace(speculative_algorithm="EAGLE", dp_size=2, disaggregation_mode="prefill",
+                                 multimodal=False)  # fmt: skip
+    with pytest.raises(NotImplementedError, match=r"speculative decoding.*data parallelism.*PD disaggregation"):
+        sglang_server.refuse_unmapped(args)
+    sglang_server.refuse_unmapped(types.SimpleNamespace(speculative_algorithm=None, dp_size=1,
+                                                        disaggregation_mode="null", multimodal=False))  # fmt: skip
+
+
+def _mwb(decode: bool, **arrays):
+    return types.SimpleNamespace(forward_mode=types.SimpleNamespace(is_decode=lambda: decode), **arrays)
+
+
+def test_token_oracle_marks_the_pending_token_of_a_lagged_history():
+    """Overlap: row 0 (pool row 5) has not seen its last sampled token yet; row 1 (pool row 2) has its whole history."""
+    layout = sglang_jax.Layout(page_size=1, table_width=8)
+    reqs = [types.SimpleNamespace(rid="a", origin_input_ids=[10, 11, 12], output_ids=[13]),
+            types.SimpleNamespace(rid="b", origin_input_ids=[20, 21], output_ids=[22, 23])]  # fmt: skip
+    mwb = _mwb(decode=True, input_ids=np.array([-6, 23]), seq_lens=np.array([5, 4]), req_pool_indices=np.array([5, 2]))
+    out = sglang_jax.token_oracle(reqs, mwb, layout, max_bs=2, write=True, verify=True)
+    np.testing.assert_array_equal(out["expected_input_ids"], [-6, 23])  # -(5 + 1): row 0's own future-map entry
+    np.testing.assert_array_equal(out["token_ids_lens"], [4, 4])  # only known tokens are verified
+    np.testing.assert_array_equal(out["token_ids"][0, :4], [10, 11, 12, 13])
+    reqs[0].output_ids = []  # two tokens behind: a bug, named
+    with pytest.raises(ValueError, match="request 'a': the batch runs 5 tokens but its history holds 3"):
+        sglang_jax.token_oracle(reqs, mwb, layout, max_bs=2, write=True, verify=True)
