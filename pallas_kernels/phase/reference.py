@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels import hash64, layout, realkv, records
+from pallas_kernels import fusion, hash64, layout, realkv, records
 from pallas_kernels import prefix as prefix_sums
 from pallas_kernels.phase import common
 from pallas_kernels.verify import reference as verify_reference
@@ -189,16 +189,73 @@ def skip_rejected_requests(
     return jnp.where(covered & (batch.active[row] != 0) & (rejects[row] == 0), loc, -1)
 
 
-def _verify_rows(buf, batch: common.Batch, plan: Plan, bits, entries, tag: int, check: bool):
-    """(rows, context) of verify flag ``entries``."""
+def _verify_rows(batch: common.Batch, plan: Plan, loaded: Loaded, bits, entries, tag: int, check: bool):
+    """(rows, context) of verify flag ``entries``, from one half's loaded plan entries."""
+    at = lambda u: (u[0][entries], u[1][entries])  # noqa: E731
     slot, prev = plan.slot_indices[entries], plan.prev_slot_indices[entries]
     token = plan.expected_tokens[entries] if check else jnp.full_like(entries, -1)
-    fields = common.verify_row(
-        tag, slot, prev, records.load(buf, slot), records.slot_hash(buf, prev), token, bits[entries]
-    )
+    stored = tuple(at(field) for field in loaded.stored)
+    fields = common.verify_row(tag, slot, prev, stored, at(loaded.expected_chain), token, bits[entries])
     batch_row = plan.entry_rows[entries]
     context = common.row_context(batch.req_pool_indices[batch_row], plan.expected_positions[entries], batch_row)
     return common.pack_row(fields), context
+
+
+class Loaded(NamedTuple):
+    """What the verify reads of the plan's entries, per half stacked on a leading axis (K, then V)."""
+
+    stored: records.Record  # the entries' records, u64 [halves, capacity]
+    expected_chain: hash64.U64  # H(prev) of each entry, u64 [halves, capacity]
+    seeds: records.Record  # the records of the write chain's seed slots, u64 [halves, R]
+
+
+def stack_halves(trees):
+    """One pytree from per-half pytrees of equal structure, each leaf stacked on a new leading axis."""
+    return jax.tree.map(lambda *leaves: jnp.stack(leaves), *trees)
+
+
+def half(tree, h: int):
+    """Half ``h`` of a pytree stacked by :func:`stack_halves`."""
+    return jax.tree.map(lambda leaf: leaf[h], tree)
+
+
+def load_halves(buffers: Sequence[jax.Array], plan: Plan) -> Loaded:
+    """Reads every canary buffer the phase needs before its writes, and hashes the predecessors once for all
+    halves: one ``mix3`` over the stacked records instead of one per half."""
+    stored = stack_halves([records.load(buf, plan.slot_indices) for buf in buffers])
+    prev = stack_halves([records.load(buf, plan.prev_slot_indices) for buf in buffers])
+    seeds = stack_halves([records.load(buf, plan.seed_slot_indices) for buf in buffers])
+    expected_chain = hash64.join(records.record_hash(plan.prev_slot_indices, prev))
+    # Read by the bits and by each half's rows: computed once, not once per reader.
+    expected_chain = hash64.split(fusion.computed_once(expected_chain, plan.active))
+    return Loaded(stored, expected_chain, seeds)
+
+
+def fold_halves(real_kv_sources, plan: Plan, loc: jax.Array, mode: int, group_slots: int):
+    """(verify, write): each half's REAL_KV_HASH of the verify plan's slots and of the written slots, u64
+    [halves, capacity] and [halves, T]. One fold per half over both slot lists, computed once for its two readers
+    (the verify bits and the store)."""
+    slots = records.clamp_slots(jnp.concatenate([plan.slot_indices, loc]), group_slots)
+    folds = stack_halves([hash64.join(realkv.fold_slots(sources, slots, mode)) for sources in real_kv_sources])
+    folds = fusion.computed_once(folds, plan.active)
+    capacity = plan.slot_indices.shape[0]
+    return hash64.split(folds[:, :capacity]), hash64.split(folds[:, capacity:])
+
+
+def walk_halves(loaded: Loaded, plan: Plan, batch: common.Batch, loc, enable_chain_position_assert):
+    """The write chains of every half as one batched walk (``write_reference.walk_chain`` over stacked seeds)."""
+    num_reqs = jnp.full((1,), batch.req_pool_indices.shape[0], jnp.int32)
+    walk = jax.vmap(write_reference.walk_chain, in_axes=(0,) + (None,) * 7)
+    return walk(
+        loaded.seeds,
+        plan.write_offsets,
+        plan.seed_slot_indices,
+        num_reqs,
+        batch.input_ids,
+        batch.positions,
+        loc,
+        enable_chain_position_assert,
+    )
 
 
 def _write_rows(batch: common.Batch, plan: Plan, loc, chain, input_bits, entries, tag: int):
@@ -284,43 +341,37 @@ def phase(
             group_slots=group_slots,
         )
     loc = common.write_slots(loc, gather_lut, lut_size, group_slots)
-    num_reqs, capacity = batch.req_pool_indices.shape[0], log.ring.shape[0]
-    pending, new_buffers, written = [], [], None
+    capacity = log.ring.shape[0]
+    pending, new_buffers = [], []
     if input_issues is not None:
         count, entries = first_flagged(input_issues[0] != 0, capacity)
         pending.append((count, *_input_issue_rows(input_issues, entries, tags[0])))
     if check_table:
         count, entries = first_flagged(plan.table_problems != 0, capacity)
         pending.append((count, *_table_rows(batch, plan, entries, tags[0], group_slots)))
-    for buf, sources, tag in zip(buffers, real_kv_sources, tags, strict=True):
-        bits = verify_reference.verify_bits(
-            buf,
-            plan.slot_indices,
-            plan.expected_tokens,
-            plan.expected_positions,
-            plan.prev_slot_indices,
-            plan.active,
-            real_kv_sources=sources,
-            real_kv_hash_mode=real_kv_hash_mode,
-            check_expected_token=check,
-        )
-        count, entries = first_flagged(bits != 0, capacity)
+    loaded = load_halves(buffers, plan)
+    verify_kv, write_kv = fold_halves(real_kv_sources, plan, loc, real_kv_hash_mode, group_slots)
+    bits = verify_reference.loaded_bits(
+        loaded.stored,
+        loaded.expected_chain,
+        verify_kv,
+        plan.slot_indices,
+        plan.expected_tokens,
+        plan.expected_positions,
+        plan.prev_slot_indices,
+        plan.active,
+        check_expected_token=check,
+    )
+    chains = walk_halves(loaded, plan, batch, loc, enable_chain_position_assert)
+    for h, (buf, tag) in enumerate(zip(buffers, tags, strict=True)):
+        count, entries = first_flagged(bits[h] != 0, capacity)
         # Materialised behind a barrier: otherwise XLA fuses the row gathers into the ring update, after the store.
         verify_rows, verify_context = lax.optimization_barrier(
-            _verify_rows(buf, batch, plan, bits, entries, tag, check)
+            _verify_rows(batch, plan, half(loaded, h), bits[h], entries, tag, check)
         )
         pending.append((count, verify_rows, verify_context))
 
-        chain = write_reference.write_chain(
-            buf,
-            plan.write_offsets,
-            plan.seed_slot_indices,
-            jnp.full((1,), num_reqs, jnp.int32),
-            batch.input_ids,
-            batch.positions,
-            loc,
-            enable_chain_position_assert,
-        )
+        chain = half(chains, h)
         written = chain.written
         input_bits = jnp.zeros_like(batch.input_ids)
         if batch.expected_input_ids is not None:
@@ -331,8 +382,8 @@ def phase(
         count, entries = first_flagged(flags, capacity)
         pending.append((count, *_write_rows(batch, plan, loc, chain, input_bits, entries, tag)))
 
-        real_kv = realkv.fold_slots(sources, records.clamp_slots(loc, buf.shape[0]), real_kv_hash_mode)
         target = loc + after(verify_rows)  # the store waits for the verify rows read from this buffer
+        real_kv = half(write_kv, h)
         new_buffers.append(
             store.store(buf, target, batch.input_ids, batch.positions, chain.prev_hash, real_kv, chain.written)
         )
