@@ -202,11 +202,12 @@ def _verify_rows(batch: common.Batch, plan: Plan, loaded: Loaded, bits, entries,
 
 
 class Loaded(NamedTuple):
-    """What the verify reads of the plan's entries, per half stacked on a leading axis (K, then V)."""
+    """What the phase reads of the canary buffers before its writes, per half stacked on a leading axis (K, V)."""
 
-    stored: records.Record  # the entries' records, u64 [halves, capacity]
+    stored: records.Record  # the verify plan entries' records, u64 [halves, capacity]
     expected_chain: hash64.U64  # H(prev) of each entry, u64 [halves, capacity]
-    seeds: records.Record  # the records of the write chain's seed slots, u64 [halves, R]
+    seed_hash: hash64.U64  # H(seed slot) of each request's write chain, u64 [halves, R]
+    seed_position: hash64.U64  # the seed slots' stored positions, u64 [halves, R]
 
 
 def stack_halves(trees):
@@ -220,15 +221,17 @@ def half(tree, h: int):
 
 
 def load_halves(buffers: Sequence[jax.Array], plan: Plan) -> Loaded:
-    """Reads every canary buffer the phase needs before its writes, and hashes the predecessors once for all
-    halves: one ``mix3`` over the stacked records instead of one per half."""
+    """Reads every canary record the phase needs before its writes, and hashes the verify entries' predecessors
+    and the write chains' seeds of all halves in one ``mix3`` pass over the stacked records."""
     stored = stack_halves([records.load(buf, plan.slot_indices) for buf in buffers])
-    prev = stack_halves([records.load(buf, plan.prev_slot_indices) for buf in buffers])
-    seeds = stack_halves([records.load(buf, plan.seed_slot_indices) for buf in buffers])
-    expected_chain = hash64.join(records.record_hash(plan.prev_slot_indices, prev))
-    # Read by the bits and by each half's rows: computed once, not once per reader.
-    expected_chain = hash64.split(fusion.computed_once(expected_chain, plan.active))
-    return Loaded(stored, expected_chain, seeds)
+    hashed = jnp.concatenate([plan.prev_slot_indices, plan.seed_slot_indices])
+    hashed_records = stack_halves([records.load(buf, hashed) for buf in buffers])
+    hashes = hash64.join(records.record_hash(hashed, hashed_records))
+    # Read by the bits, each half's rows and the chain walk: computed once, not once per reader.
+    hashes = fusion.computed_once(hashes, plan.active)
+    capacity = plan.slot_indices.shape[0]
+    seed_position = tuple(word[:, capacity:] for word in hashed_records[1])
+    return Loaded(stored, hash64.split(hashes[:, :capacity]), hash64.split(hashes[:, capacity:]), seed_position)
 
 
 def fold_halves(real_kv_sources, plan: Plan, loc: jax.Array, mode: int, group_slots: int):
@@ -245,9 +248,10 @@ def fold_halves(real_kv_sources, plan: Plan, loc: jax.Array, mode: int, group_sl
 def walk_halves(loaded: Loaded, plan: Plan, batch: common.Batch, loc, enable_chain_position_assert):
     """The write chains of every half as one batched walk (``write_reference.walk_chain`` over stacked seeds)."""
     num_reqs = jnp.full((1,), batch.req_pool_indices.shape[0], jnp.int32)
-    walk = jax.vmap(write_reference.walk_chain, in_axes=(0,) + (None,) * 7)
+    walk = jax.vmap(write_reference.walk_chain, in_axes=(0, 0) + (None,) * 7)
     return walk(
-        loaded.seeds,
+        loaded.seed_hash,
+        loaded.seed_position,
         plan.write_offsets,
         plan.seed_slot_indices,
         num_reqs,

@@ -61,15 +61,14 @@ def request_spans(write_offsets: jax.Array, num_valid_reqs: jax.Array, num_token
 
 def chain_seeds(canary_buf, seed_slot_indices, count, enable_chain_position_assert):
     """Initial running hash, running position and position-assert switch of each request."""
-    return seeds_of(records.load(canary_buf, seed_slot_indices), seed_slot_indices, count, enable_chain_position_assert)
+    seed_record = records.load(canary_buf, seed_slot_indices)
+    check_position = position_checked(seed_slot_indices, count, enable_chain_position_assert)
+    return records.record_hash(seed_slot_indices, seed_record), seed_record[1], check_position
 
 
-def seeds_of(seed_record: records.Record, seed_slot_indices, count, enable_chain_position_assert):
-    """:func:`chain_seeds` from the already loaded records of the seed slots."""
-    head = hash64.anchor_hash(seed_slot_indices)
-    running_hash = hash64.where(seed_slot_indices < 0, head, records.chain_hash(seed_record))
-    check_position = (seed_slot_indices >= 0) & (enable_chain_position_assert[0] != 0) & (count > 0)
-    return running_hash, seed_record[1], check_position
+def position_checked(seed_slot_indices, count, enable_chain_position_assert):
+    """bool[R]: the requests whose chain-position assert is on (a continued chain with entries, the flag set)."""
+    return (seed_slot_indices >= 0) & (enable_chain_position_assert[0] != 0) & (count > 0)
 
 
 def advance(h: hash64.U64, pos_prev: hash64.U64, token: jax.Array, position: jax.Array, live: jax.Array):
@@ -105,7 +104,8 @@ def write_chain(
     """
     seed_record = records.load(canary_buf, seed_slot_indices)
     return walk_chain(
-        seed_record,
+        records.record_hash(seed_slot_indices, seed_record),
+        seed_record[1],
         write_offsets,
         seed_slot_indices,
         num_valid_reqs,
@@ -118,7 +118,8 @@ def write_chain(
 
 @jax.jit  # one compiled walk per shape, also for eager (un-jitted) callers: the loop body is a fresh closure
 def walk_chain(
-    seed_record: records.Record,
+    seed_hash: hash64.U64,
+    seed_position: hash64.U64,
     write_offsets: jax.Array,
     seed_slot_indices: jax.Array,
     num_valid_reqs: jax.Array,
@@ -127,13 +128,13 @@ def walk_chain(
     out_cache_loc: jax.Array,
     enable_chain_position_assert: jax.Array,
 ) -> ChainOut:
-    """:func:`write_chain` from the seed slots' already loaded records (``records.load``): it reads no buffer, so
-    ``jax.vmap`` over stacked seed records walks the K and V halves' chains as one batched loop."""
+    """:func:`write_chain` from the seed slots' H(slot) and stored positions (``records.record_hash`` and the
+    position field of their records): it reads no buffer, so the caller may hash the seeds with other records,
+    and ``jax.vmap`` over stacked seeds walks the K and V halves' chains as one batched loop."""
     num_tokens = out_cache_loc.shape[0]
     start, count = request_spans(write_offsets, num_valid_reqs, num_tokens)
-    running_hash, running_pos, check_position = seeds_of(
-        seed_record, seed_slot_indices, count, enable_chain_position_assert
-    )
+    running_hash, running_pos = seed_hash, seed_position
+    check_position = position_checked(seed_slot_indices, count, enable_chain_position_assert)
     block_size = chain_block()
     lanes = jnp.arange(block_size)
 
