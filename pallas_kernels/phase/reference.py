@@ -12,6 +12,7 @@ references; the Triton kernels of ``pallas_triton`` must give the same bytes.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -234,6 +235,16 @@ def load_halves(buffers: Sequence[jax.Array], plan: Plan) -> Loaded:
     return Loaded(stored, hash64.split(hashes[:, :capacity]), hash64.split(hashes[:, capacity:]), seed_position)
 
 
+def write_input_bits(batch: common.Batch, written: jax.Array) -> jax.Array:
+    """i32[..., T] the write input assert's ``FAIL_WRITE_TOKEN | FAIL_WRITE_POSITION`` bits of the ``written``
+    entries (0 when the assert is off)."""
+    if batch.expected_input_ids is None:
+        return jnp.zeros(written.shape, batch.input_ids.dtype)
+    bits = jnp.where(written & (batch.input_ids != batch.expected_input_ids), layout.FAIL_WRITE_TOKEN, 0)
+    bad_position = written & (batch.positions != batch.expected_input_positions)
+    return bits | jnp.where(bad_position, layout.FAIL_WRITE_POSITION, 0)
+
+
 def fold_halves(real_kv_sources, plan: Plan, loc: jax.Array, mode: int, group_slots: int):
     """(verify, write): each half's REAL_KV_HASH of the verify plan's slots and of the written slots, u64
     [halves, capacity] and [halves, T]. One fold per half over both slot lists, computed once for its two readers
@@ -367,24 +378,20 @@ def phase(
         check_expected_token=check,
     )
     chains = walk_halves(loaded, plan, batch, loc, enable_chain_position_assert)
+    input_bits = write_input_bits(batch, chains.written)
+    write_flags = jnp.stack([input_bits != 0, chains.position_assert_failed], axis=-1).reshape(len(buffers), -1)
+    flagged = jax.vmap(functools.partial(first_flagged, capacity=capacity))  # every half's flags in one pass
+    verify_counts, verify_entries = flagged(bits != 0)
+    write_counts, write_entries = flagged(write_flags)
     for h, (buf, tag) in enumerate(zip(buffers, tags, strict=True)):
-        count, entries = first_flagged(bits[h] != 0, capacity)
         # Materialised behind a barrier: otherwise XLA fuses the row gathers into the ring update, after the store.
         verify_rows, verify_context = lax.optimization_barrier(
-            _verify_rows(batch, plan, half(loaded, h), bits[h], entries, tag, check)
+            _verify_rows(batch, plan, half(loaded, h), bits[h], verify_entries[h], tag, check)
         )
-        pending.append((count, verify_rows, verify_context))
-
+        pending.append((verify_counts[h], verify_rows, verify_context))
         chain = half(chains, h)
-        written = chain.written
-        input_bits = jnp.zeros_like(batch.input_ids)
-        if batch.expected_input_ids is not None:
-            input_bits = jnp.where(written & (batch.input_ids != batch.expected_input_ids), layout.FAIL_WRITE_TOKEN, 0)
-            bad_position = written & (batch.positions != batch.expected_input_positions)
-            input_bits |= jnp.where(bad_position, layout.FAIL_WRITE_POSITION, 0)
-        flags = jnp.stack([input_bits != 0, chain.position_assert_failed], axis=1).reshape(-1)
-        count, entries = first_flagged(flags, capacity)
-        pending.append((count, *_write_rows(batch, plan, loc, chain, input_bits, entries, tag)))
+        write_rows = _write_rows(batch, plan, loc, chain, input_bits[h], write_entries[h], tag)
+        pending.append((write_counts[h], *write_rows))
 
         target = loc + after(verify_rows)  # the store waits for the verify rows read from this buffer
         real_kv = half(write_kv, h)
@@ -392,7 +399,7 @@ def phase(
             store.store(buf, target, batch.input_ids, batch.positions, chain.prev_hash, real_kv, chain.written)
         )
     ring, context, write_index = place(log.ring, log.context, log.write_index, pending)
-    entries = plan.active + jnp.sum(written, dtype=jnp.int32)
+    entries = plan.active + jnp.sum(chains.written[-1], dtype=jnp.int32)
     overflows = log.verify_overflows
     if overflows is not None:
         overflows = common.count_overflow(overflows, plan.enable == 0)
