@@ -12,6 +12,7 @@ references; the Triton kernels of ``pallas_triton`` must give the same bytes.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -19,7 +20,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels import hash64, layout, realkv, records
+from pallas_kernels import fusion, hash64, layout, realkv, records
 from pallas_kernels import prefix as prefix_sums
 from pallas_kernels.phase import common
 from pallas_kernels.verify import reference as verify_reference
@@ -189,16 +190,87 @@ def skip_rejected_requests(
     return jnp.where(covered & (batch.active[row] != 0) & (rejects[row] == 0), loc, -1)
 
 
-def _verify_rows(buf, batch: common.Batch, plan: Plan, bits, entries, tag: int, check: bool):
-    """(rows, context) of verify flag ``entries``."""
+def _verify_rows(batch: common.Batch, plan: Plan, loaded: Loaded, bits, entries, tag: int, check: bool):
+    """(rows, context) of verify flag ``entries``, from one half's loaded plan entries."""
+    at = lambda u: (u[0][entries], u[1][entries])  # noqa: E731
     slot, prev = plan.slot_indices[entries], plan.prev_slot_indices[entries]
     token = plan.expected_tokens[entries] if check else jnp.full_like(entries, -1)
-    fields = common.verify_row(
-        tag, slot, prev, records.load(buf, slot), records.slot_hash(buf, prev), token, bits[entries]
-    )
+    stored = tuple(at(field) for field in loaded.stored)
+    fields = common.verify_row(tag, slot, prev, stored, at(loaded.expected_chain), token, bits[entries])
     batch_row = plan.entry_rows[entries]
     context = common.row_context(batch.req_pool_indices[batch_row], plan.expected_positions[entries], batch_row)
     return common.pack_row(fields), context
+
+
+class Loaded(NamedTuple):
+    """What the phase reads of the canary buffers before its writes, per half stacked on a leading axis (K, V)."""
+
+    stored: records.Record  # the verify plan entries' records, u64 [halves, capacity]
+    expected_chain: hash64.U64  # H(prev) of each entry, u64 [halves, capacity]
+    seed_hash: hash64.U64  # H(seed slot) of each request's write chain, u64 [halves, R]
+    seed_position: hash64.U64  # the seed slots' stored positions, u64 [halves, R]
+
+
+def stack_halves(trees):
+    """One pytree from per-half pytrees of equal structure, each leaf stacked on a new leading axis."""
+    return jax.tree.map(lambda *leaves: jnp.stack(leaves), *trees)
+
+
+def half(tree, h: int):
+    """Half ``h`` of a pytree stacked by :func:`stack_halves`."""
+    return jax.tree.map(lambda leaf: leaf[h], tree)
+
+
+def load_halves(buffers: Sequence[jax.Array], plan: Plan) -> Loaded:
+    """Reads every canary record the phase needs before its writes, and hashes the verify entries' predecessors
+    and the write chains' seeds of all halves in one ``mix3`` pass over the stacked records."""
+    stored = stack_halves([records.load(buf, plan.slot_indices) for buf in buffers])
+    hashed = jnp.concatenate([plan.prev_slot_indices, plan.seed_slot_indices])
+    hashed_records = stack_halves([records.load(buf, hashed) for buf in buffers])
+    hashes = hash64.join(records.record_hash(hashed, hashed_records))
+    # Read by the bits, each half's rows and the chain walk: computed once, not once per reader.
+    hashes = fusion.computed_once(hashes, plan.active)
+    capacity = plan.slot_indices.shape[0]
+    seed_position = tuple(word[:, capacity:] for word in hashed_records[1])
+    return Loaded(stored, hash64.split(hashes[:, :capacity]), hash64.split(hashes[:, capacity:]), seed_position)
+
+
+def write_input_bits(batch: common.Batch, written: jax.Array) -> jax.Array:
+    """i32[..., T] the write input assert's ``FAIL_WRITE_TOKEN | FAIL_WRITE_POSITION`` bits of the ``written``
+    entries (0 when the assert is off)."""
+    if batch.expected_input_ids is None:
+        return jnp.zeros(written.shape, batch.input_ids.dtype)
+    bits = jnp.where(written & (batch.input_ids != batch.expected_input_ids), layout.FAIL_WRITE_TOKEN, 0)
+    bad_position = written & (batch.positions != batch.expected_input_positions)
+    return bits | jnp.where(bad_position, layout.FAIL_WRITE_POSITION, 0)
+
+
+def fold_halves(real_kv_sources, plan: Plan, loc: jax.Array, mode: int, group_slots: int):
+    """(verify, write): each half's REAL_KV_HASH of the verify plan's slots and of the written slots, u64
+    [halves, capacity] and [halves, T]. One fold per half over both slot lists, computed once for its two readers
+    (the verify bits and the store)."""
+    slots = records.clamp_slots(jnp.concatenate([plan.slot_indices, loc]), group_slots)
+    folds = stack_halves([hash64.join(realkv.fold_slots(sources, slots, mode)) for sources in real_kv_sources])
+    folds = fusion.computed_once(folds, plan.active)
+    capacity = plan.slot_indices.shape[0]
+    return hash64.split(folds[:, :capacity]), hash64.split(folds[:, capacity:])
+
+
+def walk_halves(loaded: Loaded, plan: Plan, batch: common.Batch, loc, enable_chain_position_assert):
+    """The write chains of every half as one batched walk (``write_reference.walk_chain`` over stacked seeds)."""
+    num_reqs = jnp.full((1,), batch.req_pool_indices.shape[0], jnp.int32)
+    walk = jax.vmap(write_reference.walk_chain, in_axes=(0, 0) + (None,) * 7)
+    return walk(
+        loaded.seed_hash,
+        loaded.seed_position,
+        plan.write_offsets,
+        plan.seed_slot_indices,
+        num_reqs,
+        batch.input_ids,
+        batch.positions,
+        loc,
+        enable_chain_position_assert,
+    )
 
 
 def _write_rows(batch: common.Batch, plan: Plan, loc, chain, input_bits, entries, tag: int):
@@ -284,60 +356,50 @@ def phase(
             group_slots=group_slots,
         )
     loc = common.write_slots(loc, gather_lut, lut_size, group_slots)
-    num_reqs, capacity = batch.req_pool_indices.shape[0], log.ring.shape[0]
-    pending, new_buffers, written = [], [], None
+    capacity = log.ring.shape[0]
+    pending, new_buffers = [], []
     if input_issues is not None:
         count, entries = first_flagged(input_issues[0] != 0, capacity)
         pending.append((count, *_input_issue_rows(input_issues, entries, tags[0])))
     if check_table:
         count, entries = first_flagged(plan.table_problems != 0, capacity)
         pending.append((count, *_table_rows(batch, plan, entries, tags[0], group_slots)))
-    for buf, sources, tag in zip(buffers, real_kv_sources, tags, strict=True):
-        bits = verify_reference.verify_bits(
-            buf,
-            plan.slot_indices,
-            plan.expected_tokens,
-            plan.expected_positions,
-            plan.prev_slot_indices,
-            plan.active,
-            real_kv_sources=sources,
-            real_kv_hash_mode=real_kv_hash_mode,
-            check_expected_token=check,
-        )
-        count, entries = first_flagged(bits != 0, capacity)
+    loaded = load_halves(buffers, plan)
+    verify_kv, write_kv = fold_halves(real_kv_sources, plan, loc, real_kv_hash_mode, group_slots)
+    bits = verify_reference.loaded_bits(
+        loaded.stored,
+        loaded.expected_chain,
+        verify_kv,
+        plan.slot_indices,
+        plan.expected_tokens,
+        plan.expected_positions,
+        plan.prev_slot_indices,
+        plan.active,
+        check_expected_token=check,
+    )
+    chains = walk_halves(loaded, plan, batch, loc, enable_chain_position_assert)
+    input_bits = write_input_bits(batch, chains.written)
+    write_flags = jnp.stack([input_bits != 0, chains.position_assert_failed], axis=-1).reshape(len(buffers), -1)
+    flagged = jax.vmap(functools.partial(first_flagged, capacity=capacity))  # every half's flags in one pass
+    verify_counts, verify_entries = flagged(bits != 0)
+    write_counts, write_entries = flagged(write_flags)
+    for h, (buf, tag) in enumerate(zip(buffers, tags, strict=True)):
         # Materialised behind a barrier: otherwise XLA fuses the row gathers into the ring update, after the store.
         verify_rows, verify_context = lax.optimization_barrier(
-            _verify_rows(buf, batch, plan, bits, entries, tag, check)
+            _verify_rows(batch, plan, half(loaded, h), bits[h], verify_entries[h], tag, check)
         )
-        pending.append((count, verify_rows, verify_context))
+        pending.append((verify_counts[h], verify_rows, verify_context))
+        chain = half(chains, h)
+        write_rows = _write_rows(batch, plan, loc, chain, input_bits[h], write_entries[h], tag)
+        pending.append((write_counts[h], *write_rows))
 
-        chain = write_reference.write_chain(
-            buf,
-            plan.write_offsets,
-            plan.seed_slot_indices,
-            jnp.full((1,), num_reqs, jnp.int32),
-            batch.input_ids,
-            batch.positions,
-            loc,
-            enable_chain_position_assert,
-        )
-        written = chain.written
-        input_bits = jnp.zeros_like(batch.input_ids)
-        if batch.expected_input_ids is not None:
-            input_bits = jnp.where(written & (batch.input_ids != batch.expected_input_ids), layout.FAIL_WRITE_TOKEN, 0)
-            bad_position = written & (batch.positions != batch.expected_input_positions)
-            input_bits |= jnp.where(bad_position, layout.FAIL_WRITE_POSITION, 0)
-        flags = jnp.stack([input_bits != 0, chain.position_assert_failed], axis=1).reshape(-1)
-        count, entries = first_flagged(flags, capacity)
-        pending.append((count, *_write_rows(batch, plan, loc, chain, input_bits, entries, tag)))
-
-        real_kv = realkv.fold_slots(sources, records.clamp_slots(loc, buf.shape[0]), real_kv_hash_mode)
         target = loc + after(verify_rows)  # the store waits for the verify rows read from this buffer
+        real_kv = half(write_kv, h)
         new_buffers.append(
             store.store(buf, target, batch.input_ids, batch.positions, chain.prev_hash, real_kv, chain.written)
         )
     ring, context, write_index = place(log.ring, log.context, log.write_index, pending)
-    entries = plan.active + jnp.sum(written, dtype=jnp.int32)
+    entries = plan.active + jnp.sum(chains.written[-1], dtype=jnp.int32)
     overflows = log.verify_overflows
     if overflows is not None:
         overflows = common.count_overflow(overflows, plan.enable == 0)

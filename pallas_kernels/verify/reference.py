@@ -53,13 +53,41 @@ def verify_bits(
     Returns:
       i32[capacity] OR of ``FAIL_VERIFY_*`` bits.
     """
-    capacity = slot_indices.shape[0]
-    live = (jnp.arange(capacity) < num_active) & (slot_indices != layout.PADDING_SLOT)
     stored = records.load(canary_buf, slot_indices)
-    reachable = prev_slot_indices != 0  # prev == 0: padding/evicted predecessor, chain unknowable
     expected_chain = records.slot_hash(canary_buf, prev_slot_indices)
     slots = records.clamp_slots(slot_indices, canary_buf.shape[0])
     real_kv = realkv.fold_slots(real_kv_sources, slots, real_kv_hash_mode)
+    return loaded_bits(
+        stored,
+        expected_chain,
+        real_kv,
+        slot_indices,
+        expected_tokens,
+        expected_positions,
+        prev_slot_indices,
+        num_active,
+        check_expected_token=check_expected_token,
+    )
+
+
+def loaded_bits(
+    stored: records.Record,
+    expected_chain: hash64.U64,
+    real_kv: hash64.U64,
+    slot_indices: jax.Array,
+    expected_tokens: jax.Array,
+    expected_positions: jax.Array,
+    prev_slot_indices: jax.Array,
+    num_active: jax.Array,
+    *,
+    check_expected_token: bool,
+) -> jax.Array:
+    """:func:`verify_bits` of already loaded plan entries: ``stored`` (``records.load`` of the slots),
+    ``expected_chain`` (``records.slot_hash`` of the predecessors) and ``real_kv`` (the folded KV) may carry
+    leading axes (e.g. the K and V halves stacked) over the plan's ``[capacity]``; the bits get them too."""
+    capacity = slot_indices.shape[0]
+    live = (jnp.arange(capacity) < num_active) & (slot_indices != layout.PADDING_SLOT)
+    reachable = prev_slot_indices != 0  # prev == 0: padding/evicted predecessor, chain unknowable
     bits = entry_bits(
         stored,
         expected_chain,

@@ -17,9 +17,18 @@ from jax import lax
 from pallas_kernels import hash64, records
 
 # bs=8 x 4096 tokens: block 8 runs 24.8 ms on an H200 against 85.6 ms at block 1 (each XLA:GPU loop step costs
-# launches and a predicate copy); on CPU loop steps are cheap and block 1 wins (3.7 vs 12.9 ms). Larger blocks only
-# add compile time. benchmarks/bench_write_chain_cpu.py measures it.
+# launches and a predicate copy); on CPU loop steps are cheap and block 1 wins (3.7 vs 12.9 ms), and each unrolled
+# entry adds three splitmix64 chains to the compiled step. benchmarks/bench_write_chain_cpu.py measures it.
 CHAIN_BLOCK = 8
+CPU_CHAIN_BLOCK = 1
+
+
+def chain_block() -> int:
+    """Entries one loop step walks: ``CPU_CHAIN_BLOCK`` when jax runs on CPU, else ``CHAIN_BLOCK``."""
+    return CPU_CHAIN_BLOCK if jax.default_backend() == "cpu" else CHAIN_BLOCK
+
+
+_OUT_FIELDS = 6  # the walk's per-entry words: prev_hash (2), expected_position (2), position_assert_failed, written
 
 
 class ChainOut(NamedTuple):
@@ -53,10 +62,13 @@ def request_spans(write_offsets: jax.Array, num_valid_reqs: jax.Array, num_token
 def chain_seeds(canary_buf, seed_slot_indices, count, enable_chain_position_assert):
     """Initial running hash, running position and position-assert switch of each request."""
     seed_record = records.load(canary_buf, seed_slot_indices)
-    head = hash64.anchor_hash(seed_slot_indices)
-    running_hash = hash64.where(seed_slot_indices < 0, head, records.chain_hash(seed_record))
-    check_position = (seed_slot_indices >= 0) & (enable_chain_position_assert[0] != 0) & (count > 0)
-    return running_hash, seed_record[1], check_position
+    check_position = position_checked(seed_slot_indices, count, enable_chain_position_assert)
+    return records.record_hash(seed_slot_indices, seed_record), seed_record[1], check_position
+
+
+def position_checked(seed_slot_indices, count, enable_chain_position_assert):
+    """bool[R]: the requests whose chain-position assert is on (a continued chain with entries, the flag set)."""
+    return (seed_slot_indices >= 0) & (enable_chain_position_assert[0] != 0) & (count > 0)
 
 
 def advance(h: hash64.U64, pos_prev: hash64.U64, token: jax.Array, position: jax.Array, live: jax.Array):
@@ -72,7 +84,6 @@ def position_assert(prev_position: hash64.U64, position: jax.Array, live: jax.Ar
     return expected, live & check & hash64.ne(hash64.from_i32(position), expected)
 
 
-@jax.jit  # one compiled walk per shape, also for eager (un-jitted) callers: the loop body is a fresh closure
 def write_chain(
     canary_buf: jax.Array,
     write_offsets: jax.Array,
@@ -91,47 +102,76 @@ def write_chain(
       input_ids, positions, out_cache_loc: i32[T].
       enable_chain_position_assert: i32[1].
     """
+    seed_record = records.load(canary_buf, seed_slot_indices)
+    return walk_chain(
+        records.record_hash(seed_slot_indices, seed_record),
+        seed_record[1],
+        write_offsets,
+        seed_slot_indices,
+        num_valid_reqs,
+        input_ids,
+        positions,
+        out_cache_loc,
+        enable_chain_position_assert,
+    )
+
+
+@jax.jit  # one compiled walk per shape, also for eager (un-jitted) callers: the loop body is a fresh closure
+def walk_chain(
+    seed_hash: hash64.U64,
+    seed_position: hash64.U64,
+    write_offsets: jax.Array,
+    seed_slot_indices: jax.Array,
+    num_valid_reqs: jax.Array,
+    input_ids: jax.Array,
+    positions: jax.Array,
+    out_cache_loc: jax.Array,
+    enable_chain_position_assert: jax.Array,
+) -> ChainOut:
+    """:func:`write_chain` from the seed slots' H(slot) and stored positions (``records.record_hash`` and the
+    position field of their records): it reads no buffer, so the caller may hash the seeds with other records,
+    and ``jax.vmap`` over stacked seeds walks the K and V halves' chains as one batched loop."""
     num_tokens = out_cache_loc.shape[0]
     start, count = request_spans(write_offsets, num_valid_reqs, num_tokens)
-    running_hash, running_pos, check_position = chain_seeds(
-        canary_buf, seed_slot_indices, count, enable_chain_position_assert
-    )
-    lanes = jnp.arange(CHAIN_BLOCK)
-    out = empty_chain(num_tokens)
+    running_hash, running_pos = seed_hash, seed_position
+    check_position = position_checked(seed_slot_indices, count, enable_chain_position_assert)
+    block_size = chain_block()
+    lanes = jnp.arange(block_size)
 
     def block(k, carry):
-        h, pos_prev, out = carry
-        offset = k * CHAIN_BLOCK + lanes[None, :]  # [R, B]
+        running, out = carry  # running: u32[4, R] (hash lo, hash hi, position lo, position hi) of each request
+        offset = k * block_size + lanes[None, :]  # [R, B]
         covered = offset < count[:, None]
         entry = jnp.where(covered, start[:, None] + offset, num_tokens)  # sentinel T is dropped below
         safe = jnp.minimum(entry, num_tokens - 1)
         slot, token, position = out_cache_loc[safe], input_ids[safe], positions[safe]
         live = covered & (slot >= 0)
-        # history[j] = (hash lo, hash hi, position lo, position hi) before entry j, u32[B, 4, R]. Routing every
-        # step through it keeps XLA from fusing the unrolled chain into one expression: XLA:CPU re-emits shared
-        # subexpressions of a fused chain, which cost 0.5 s per block at B=4 (optimization_barrier is expanded
-        # before fusion on CPU, so it cannot help). The traced ``zero`` stops the simplifier from folding the
-        # store/load pair away.
-        history = jnp.zeros((CHAIN_BLOCK, 4, count.shape[0]), jnp.uint32)
+        # history[j] = the running state before entry j, u32[B, 4, R]. Routing every step through it keeps XLA
+        # from fusing the unrolled chain into one expression: XLA:CPU re-emits shared subexpressions of a fused
+        # chain, which cost 0.5 s per block at B=4 (optimization_barrier is expanded before fusion on CPU, so it
+        # cannot help). The traced ``zero`` stops the simplifier from folding the store/load pair away. The state
+        # stays one array, so one fusion computes each step's hash, not one per field read.
+        history = jnp.zeros((block_size, 4, count.shape[0]), jnp.uint32)
         zero = jnp.minimum(k, 0)
-        for j in range(CHAIN_BLOCK):  # straight-line: the serial dependency stays inside one loop step
-            history = lax.dynamic_update_index_in_dim(history, jnp.stack([*h, *pos_prev]), j + zero, 0)
+        for j in range(block_size):  # straight-line: the serial dependency stays inside one loop step
+            history = lax.dynamic_update_index_in_dim(history, running, j + zero, 0)
             state = lax.dynamic_index_in_dim(history, j + zero, 0, keepdims=False)
-            h, pos_prev = (state[0], state[1]), (state[2], state[3])
-            h, pos_prev = advance(h, pos_prev, token[:, j], position[:, j], live[:, j])
+            h, pos_prev = advance((state[0], state[1]), (state[2], state[3]), token[:, j], position[:, j], live[:, j])
+            running = jnp.stack([*h, *pos_prev])
         history = jnp.transpose(history, (2, 0, 1))  # [R, B, 4]
         prev_position = (history[..., 2], history[..., 3])
         expected, failed = position_assert(prev_position, position, live, check_position[:, None])
-        entry = entry.reshape(-1)
-        scatter = lambda dst, vals: dst.at[entry].set(vals.reshape((-1,) + dst.shape[1:]), mode="drop")  # noqa: E731
-        out = ChainOut(
-            prev_hash=scatter(out.prev_hash, history[..., :2]),
-            expected_position=scatter(out.expected_position, hash64.join(expected)),
-            position_assert_failed=scatter(out.position_assert_failed, failed),
-            written=scatter(out.written, live),
-        )
-        return h, pos_prev, out
+        flags = jnp.stack([failed, live], axis=-1).astype(jnp.uint32)
+        fields = jnp.concatenate([history[..., :2], hash64.join(expected), flags], axis=-1)  # [R, B, 6]
+        out = out.at[entry.reshape(-1)].set(fields.reshape(-1, _OUT_FIELDS), mode="drop")  # one scatter, all fields
+        return running, out
 
-    num_blocks = (jnp.max(count, initial=0) + CHAIN_BLOCK - 1) // CHAIN_BLOCK
-    _, _, out = lax.fori_loop(0, num_blocks, block, (running_hash, running_pos, out))
-    return out
+    num_blocks = (jnp.max(count, initial=0) + block_size - 1) // block_size
+    init = (jnp.stack([*running_hash, *running_pos]), jnp.zeros((num_tokens, _OUT_FIELDS), jnp.uint32))
+    _, out = lax.fori_loop(0, num_blocks, block, init)
+    return ChainOut(
+        prev_hash=out[:, 0:2],
+        expected_position=out[:, 2:4],
+        position_assert_failed=out[:, 4] != 0,
+        written=out[:, 5] != 0,
+    )
