@@ -29,7 +29,8 @@ class Config:
       verify_block: plan entries per program of the check and ring kernels.
       store_block: tokens per program of the store kernel.
       dedupe: duplicate-slot winner rule of the store: ``"pairwise"`` in-kernel, or ``"sort"``.
-      req_chunk: requests compared per step of the in-kernel request lookup.
+      req_chunk: requests compared per step of the in-kernel request lookup (after its narrowing, 0 or 1 steps
+        at decode sizes; a [verify_block, req_chunk] compare, so it sets the check kernel's registers).
       sum_chunk: counts summed per step when a program adds up other programs' counts.
       token_chunk: tokens per step when the ring kernel ranks a request's write rows.
       compare_block: later tokens per step of the pairwise winner scan.
@@ -39,7 +40,7 @@ class Config:
     verify_block: int
     store_block: int
     dedupe: str
-    req_chunk: int = 32
+    req_chunk: int = 8
     sum_chunk: int = 1024
     token_chunk: int = 64
     compare_block: int = 64
