@@ -21,6 +21,11 @@ single ``command_buffer`` op, so that one profiled compile turns command buffers
 ``path="per_launch"`` run the runner's per-launch phase (the path before the fused ``phase`` op, kept for backends
 without its kernels), so one run measures before and after. The detail point also checks the compiled step for
 buffer copies and writes the profiled HLO to ``<out>/canary_only_hlo.txt`` (it names the trace's fusions).
+
+Every variant also reports its step's compile time, wrapped beside unwrapped: ``lower_s`` (jaxpr to MLIR, the
+Pallas kernels' Triton IR included) and ``compile_s`` (XLA's backend compile, the Triton kernels' PTX included),
+summed from jax's monitoring events during the variant's first call (in-process caches cold for the first variant
+of a shape only; no persistent cache).
 """
 
 from __future__ import annotations
@@ -51,6 +56,16 @@ import llama_model as lm  # noqa: E402
 import kvcanary_jax as kc  # noqa: E402
 
 PAGE_SIZE = 16
+_COMPILE_EVENTS = {
+    "/jax/core/compile/jaxpr_to_mlir_module_duration": "lower_s",
+    "/jax/core/compile/backend_compile_duration": "compile_s",
+}
+_compile_seconds: collections.Counter = collections.Counter()  # filled by _on_event, registered in main()
+
+
+def _on_event(event: str, seconds: float, **_) -> None:
+    if event in _COMPILE_EVENTS:
+        _compile_seconds[_COMPILE_EVENTS[event]] += seconds
 
 
 @dataclasses.dataclass(frozen=True)
@@ -227,6 +242,7 @@ class Variant:
     cs: object = None
     canary: kc.KvCanary | None = None
     seconds: list = dataclasses.field(default_factory=list)
+    compile: dict = dataclasses.field(default_factory=dict)  # lower_s, compile_s of the step's first call
     only: dict = dataclasses.field(default_factory=dict)  # the canary alone: times, kernels
 
 
@@ -310,7 +326,9 @@ def run_group(points: list[Point], params, pool: Pool, shape: lm.ModelShape, arg
     kv = pool.kv
     bound = [functools.partial(v.jitted, params=params, fixed=fixed) for v in variants]
     for v, step in zip(variants, bound, strict=True):
+        before = collections.Counter(_compile_seconds)
         v.tok, kv, v.cs = warm_up(step, (v.tok, kv, v.cs))
+        v.compile = {key: _compile_seconds[key] - before[key] for key in _COMPILE_EVENTS.values()}
     for _ in range(args.repeats):
         for v, step in zip(variants, bound, strict=True):
             seconds, (v.tok, kv, v.cs) = timed_steps(step, (v.tok, kv, v.cs), steps)
@@ -326,6 +344,7 @@ def run_group(points: list[Point], params, pool: Pool, shape: lm.ModelShape, arg
             v.only = canary_alone(v, fixed, pool, shape, steps, args)
     for v in variants:
         result = dict(dataclasses.asdict(v.point), label=v.point.label, step_s=statistics.median(v.seconds))
+        result.update(v.compile)
         if v.point.mode is not None:
             result["fence"] = not args.no_fence
             if off is not None:
@@ -473,8 +492,8 @@ def write_outputs(results: list[dict], out: str, header: dict) -> str:
         f"{header['copy_bw'] / 1e12:.2f} TB/s; model {header['model']}",
         "",
         "| step | bs | ctx | canary | path | fence | step ms | overhead % (min..max) | canary-only ms | "
-        "canary kernels | canary device µs | extra MB/step | roofline (off) | violations |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "canary kernels | canary device µs | extra MB/step | roofline (off) | violations | lower + compile s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         over = ""
@@ -488,10 +507,11 @@ def write_outputs(results: list[dict], out: str, header: dict) -> str:
         device_us = f"{r['canary_device_us']:.1f}" if "canary_device_us" in r else ""
         roof = f"{100 * r['roofline_fraction']:.0f}%" if r["mode"] is None else ""
         fence = {True: "yes", False: "no"}.get(r.get("fence"), "")
+        built = f"{r['lower_s']:.2f} + {r['compile_s']:.2f}" if "compile_s" in r else ""
         lines.append(
             f"| {r['kind']} | {r['bs']} | {r['ctx']} | {canary} | {path} | {fence} | "
             f"{1e3 * r['step_s']:.3f} | {over} | {only} | {kernels} | {device_us} | {r['canary_bytes'] / 1e6:.1f} | {roof} | "
-            f"{r.get('violations', '')} |"
+            f"{r.get('violations', '')} | {built} |"
         )
     table = "\n".join(lines)
     with open(os.path.join(out, "decode_overhead.md"), "w") as f:
@@ -563,6 +583,7 @@ def main() -> None:
     parser.add_argument("--detail", action="store_true", help="copy check on every canary point")
     parser.add_argument("--merge", nargs="+", metavar="RUN_DIR", help="run nothing: one table and plot of earlier runs")
     args = parser.parse_args()
+    jax.monitoring.register_event_duration_secs_listener(_on_event)
     if args.merge:
         os.makedirs(args.out, exist_ok=True)
         results, header = merged_runs(args.merge)
@@ -603,6 +624,8 @@ def main() -> None:
             "canary_kernels",
             "canary_device_us",
             "roofline_fraction",
+            "lower_s",
+            "compile_s",
         )
         for i, group in enumerate(groups):
             start = time.perf_counter()

@@ -3,9 +3,10 @@
 The jnp checks cost five small XLA kernels per step on GPU (two prefix sums, their epilogue, the token-to-row
 search, the stack of the candidates). Here one launch does it: program 0 checks the rows, ``row_chunk`` at a time,
 carrying the span and bad-span prefix sums from chunk to chunk (for the ``"reserved"`` convention it also counts
-each row's tokens that write a real slot); programs ``1 + k`` check token chunk ``k``, each recomputing the rows'
-roles chunk by chunk to find its tokens' rows. No program reads another's output, so there is no ordering to keep,
-and every output element is written by exactly one program.
+each row's tokens that write a real slot); programs ``1 + k`` check token chunk ``k``: one light pass over the rows'
+spans (``SCAN_CHUNKS`` row chunks a step) finds the few rows that can own its tokens (the spans' ends never
+decrease), and only those rows' roles are recomputed and compared against its tokens. No program reads another's
+output, so there is no ordering to keep, and every output element is written by exactly one program.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ from jax.experimental.pallas import triton as plt
 from pallas_kernels import compat, layout
 from pallas_kernels.batch_checks import reference
 from pallas_kernels.phase import common as phase_common
+
+SCAN_CHUNKS = 8  # row chunks per step of a token program's pass over the spans
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,7 +56,7 @@ class _Static:
 
 
 class _Rows(NamedTuple):
-    """One chunk of rows (i32 or bool [row_chunk] each); masked lanes own no tokens."""
+    """One chunk of rows (i32 or bool [width] each); masked lanes own no tokens."""
 
     j: jax.Array
     valid: jax.Array
@@ -64,6 +67,7 @@ class _Rows(NamedTuple):
     start: jax.Array
     end: jax.Array
     padding_row: jax.Array
+    bad: jax.Array  # i32: 1 for a row whose span is bad (reference.bad_span)
     after_bad_span: jax.Array
 
 
@@ -75,19 +79,20 @@ def _load(ref, idx, mask, other=0):
     return plt.load(ref.at[idx], mask=mask, other=other)
 
 
-def _row_chunk(refs, c, carry, st: _Static) -> tuple[_Rows, tuple]:
-    """Rows ``[c * row_chunk, ...)`` with their spans, from the spans and bad spans of the rows before (``carry``)."""
+def _row_chunk(refs, first, bound, carry, st: _Static, width: int | None = None) -> tuple[_Rows, tuple]:
+    """Rows ``[first, first + width)`` (``row_chunk`` by default) below ``bound`` with their spans, from the span
+    and bad-span sums of the rows before ``first`` (``carry``)."""
     rpi_ref, cached_ref, extend_ref = refs
     span_before, bad_before = carry
-    j = c * st.config.row_chunk + _arange(st.config.row_chunk)
-    valid = j < st.num_rows
+    j = first + _arange(width or st.config.row_chunk)
+    valid = j < bound
     rpi, cached, extend = (_load(ref, j, valid) for ref in (rpi_ref, cached_ref, extend_ref))
     span = jnp.where(valid, reference.span_lens(extend, st.num_tokens), 0)
     end = span_before + jnp.cumsum(span, dtype=jnp.int32)
     padding_row = reference.padding_rows(rpi, st.padding)
     bad = (valid & reference.bad_span(padding_row, extend, end, st.num_tokens)).astype(jnp.int32)
     after = bad_before + jnp.cumsum(bad, dtype=jnp.int32) - bad > 0
-    rows = _Rows(j, valid, rpi, cached, extend, span, end - span, end, padding_row, after)
+    rows = _Rows(j, valid, rpi, cached, extend, span, end - span, end, padding_row, bad, after)
     return rows, (span_before + jnp.sum(span, dtype=jnp.int32), bad_before + jnp.sum(bad, dtype=jnp.int32))
 
 
@@ -135,7 +140,7 @@ def _check_rows(refs, loc_ref, lens_ref, outs, st: _Static) -> None:
     active_ref, span_ref, start_ref, _, issues_ref = outs
 
     def body(c, carry):
-        rows, carry = _row_chunk(refs, c, carry, st)
+        rows, carry = _row_chunk(refs, c * st.config.row_chunk, st.num_rows, carry, st)
         reserved_in_use = jnp.zeros(rows.j.shape, bool)
         if st.padding == "reserved":
             real = _writes_real_slot(loc_ref, rows, st)
@@ -158,15 +163,39 @@ def _check_rows(refs, loc_ref, lens_ref, outs, st: _Static) -> None:
     _loop(-(-st.num_rows // st.config.row_chunk), body, (jnp.int32(0), jnp.int32(0)))
 
 
+def _owner_range(refs, first, last, st: _Static) -> tuple[jax.Array, jax.Array, tuple]:
+    """(below, reach, carry): only rows ``[below, reach)`` can own tokens ``[first, last]``, and ``carry`` is the
+    span and bad-span sums of the rows before ``below``. The spans' ends and starts never decrease
+    (``reference.span_lens`` >= 0), so the rows ending at or before ``first`` come first and own none of them, and
+    the rows starting after ``last`` come last."""
+    width = SCAN_CHUNKS * st.config.row_chunk
+
+    def body(c, carry):
+        sums, below, reach, base = carry
+        rows, sums = _row_chunk(refs, c * width, st.num_rows, sums, st, width)
+        early = rows.valid & (rows.end <= first)
+        below = below + jnp.sum(early.astype(jnp.int32), dtype=jnp.int32)
+        reach = reach + jnp.sum((rows.valid & (rows.start <= last)).astype(jnp.int32), dtype=jnp.int32)
+        span_base = jnp.maximum(base[0], jnp.max(jnp.where(early, rows.end, 0)))
+        bad_base = base[1] + jnp.sum(jnp.where(early, rows.bad, 0), dtype=jnp.int32)
+        return sums, below, reach, (span_base, bad_base)
+
+    zero = jnp.int32(0)
+    _, below, reach, base = _loop(-(-st.num_rows // width), body, ((zero, zero), zero, zero, (zero, zero)))
+    return below, reach, base
+
+
 def _check_tokens(refs, loc_ref, outs, k, st: _Static) -> None:
     """Program ``1 + k``: token chunk ``k``'s rows and new slots' problems."""
     _, _, _, token_rows_ref, issues_ref = outs
-    t = k * st.config.token_chunk + _arange(st.config.token_chunk)
+    first = k * st.config.token_chunk
+    t = first + _arange(st.config.token_chunk)
     valid = t < st.num_tokens
+    below, reach, base = _owner_range(refs, first, first + st.config.token_chunk - 1, st)
 
     def body(c, carry):
         spans, picked = carry
-        rows, spans = _row_chunk(refs, c, spans, st)
+        rows, spans = _row_chunk(refs, below + c * st.config.row_chunk, reach, spans, st)
         # A request row is never a reserved padding row, so its role does not need the reserved-row check.
         _, _, _, _, active = _row_issue(rows, jnp.zeros(rows.j.shape, bool), st)
         own = (rows.start[None, :] <= t[:, None]) & (t[:, None] < rows.end[None, :])  # one row at most per token
@@ -178,8 +207,8 @@ def _check_tokens(refs, loc_ref, outs, k, st: _Static) -> None:
         return spans, tuple(p + pick(x) for p, x in zip(picked, facts, strict=True))
 
     zeros = jnp.zeros(t.shape, jnp.int32)
-    init = ((jnp.int32(0), jnp.int32(0)), (zeros,) * 6)
-    _, (owned, row, active, cached, start, rpi) = _loop(-(-st.num_rows // st.config.row_chunk), body, init)
+    steps = (reach - below + st.config.row_chunk - 1) // st.config.row_chunk
+    _, (owned, row, active, cached, start, rpi) = lax.fori_loop(jnp.int32(0), steps, body, (base, (zeros,) * 6))
     owned = owned > 0
     token_row = jnp.where(owned, row, -1)
     plt.store(token_rows_ref.at[t], token_row, mask=valid)

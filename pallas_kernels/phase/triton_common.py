@@ -29,7 +29,8 @@ class Config:
       verify_block: plan entries per program of the check and ring kernels.
       store_block: tokens per program of the store kernel.
       dedupe: duplicate-slot winner rule of the store: ``"pairwise"`` in-kernel, or ``"sort"``.
-      req_chunk: requests compared per step of the in-kernel request lookup.
+      req_chunk: requests compared per step of the in-kernel request lookup (after its narrowing, 0 or 1 steps
+        at decode sizes; a [verify_block, req_chunk] compare, so it sets the check kernel's registers).
       sum_chunk: counts summed per step when a program adds up other programs' counts.
       token_chunk: tokens per step when the ring kernel ranks a request's write rows.
       compare_block: later tokens per step of the pairwise winner scan.
@@ -39,7 +40,7 @@ class Config:
     verify_block: int
     store_block: int
     dedupe: str
-    req_chunk: int = 32
+    req_chunk: int = 8
     sum_chunk: int = 1024
     token_chunk: int = 64
     compare_block: int = 64
@@ -224,28 +225,54 @@ class Entries(NamedTuple):
 
 
 def locate(inp: Inputs, t: jax.Array, st: Static):
-    """(request, its first entry, total entries) of plan entries ``t``, without a materialised prefix sum.
+    """(request, its first entry, total entries) of plan entries ``t`` (consecutive), without a materialised prefix
+    sum.
 
     Entry t belongs to the request r with ``start_r <= t < end_r``, i.e. r = #requests whose end is <= t (SGLang's
-    searchsorted over starts, for every t < total). Ends are built chunk by chunk (a cumsum of ``req_chunk``
-    lengths plus the running total), compared against the block's entries as a [block, chunk] matrix.
+    searchsorted over starts, for every t < total). The ends never decrease (``common.verify_len`` >= 0), so one
+    pass over the requests, ``sum_chunk`` at a time and one scalar per request, narrows the block's entries to the
+    requests ``[below, reach)`` whose ends fall inside the block: the ``below`` requests before them end at or before
+    its first entry (their last end is ``base``). Only those are compared against each entry, ``req_chunk`` at a
+    time as a [block, chunk] matrix: none when the block lies inside one request, the common case.
     """
     n = st.num_reqs
+    first, last = jnp.min(t), jnp.max(t)
+
+    def lens_of(j, m):
+        return common.verify_len(load(inp.active, j, m), load(inp.prefix, j, m), st.window)  # 0 where masked
+
+    wide = min(st.config.sum_chunk, compat.next_power_of_2(n))
+
+    def scan(c, carry):
+        below, reach, base, total = carry
+        j = c * wide + arange(wide)
+        m = j < n
+        lens = lens_of(j, m)
+        ends = total + jnp.cumsum(lens, dtype=jnp.int32)
+        early = (ends <= first) & m
+        below = below + jnp.sum(early.astype(jnp.int32), dtype=jnp.int32)
+        reach = reach + jnp.sum(((ends <= last) & m).astype(jnp.int32), dtype=jnp.int32)
+        base = jnp.maximum(base, jnp.max(jnp.where(early, ends, 0)))
+        return below, reach, base, total + jnp.sum(lens, dtype=jnp.int32)
+
+    zero = jnp.int32(0)
+    below, reach, base, total = loop(-(-n // wide), scan, (zero, zero, zero, zero))
     chunk = min(st.config.req_chunk, compat.next_power_of_2(n))
 
-    def body(c, carry):
-        count, start, total = carry
-        j = c * chunk + arange(chunk)
-        m = j < n
-        lens = common.verify_len(load(inp.active, j, m), load(inp.prefix, j, m), st.window)  # 0 where masked
-        ends = total + jnp.cumsum(lens, dtype=jnp.int32)
+    def near(c, carry):
+        count, start, running = carry
+        j = below + c * chunk + arange(chunk)
+        m = j < reach
+        lens = lens_of(j, m)
+        ends = running + jnp.cumsum(lens, dtype=jnp.int32)
         before = (ends[None, :] <= t[:, None]) & m[None, :]
         count = count + jnp.sum(before.astype(jnp.int32), axis=1, dtype=jnp.int32)
         start = jnp.maximum(start, jnp.max(jnp.where(before, ends[None, :], 0), axis=1))
-        return count, start, total + jnp.sum(lens, dtype=jnp.int32)
+        return count, start, running + jnp.sum(lens, dtype=jnp.int32)
 
-    zeros = jnp.zeros(t.shape, jnp.int32)
-    count, start, total = loop(-(-n // chunk), body, (zeros, zeros, jnp.int32(0)))
+    steps = (reach - below + chunk - 1) // chunk
+    full = lambda x: jnp.full(t.shape, x, jnp.int32)  # noqa: E731
+    count, start, _ = lax.fori_loop(zero, steps, near, (full(below), full(base), base))
     return jnp.minimum(count, n - 1), start, total
 
 
