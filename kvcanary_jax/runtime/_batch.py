@@ -102,8 +102,6 @@ class CanaryState:
       full: FULL-group buffers (None when the canary is off).
       swa: SWA-group buffers (None without an SWA group or when off).
       verify_overflows: i32[1] per-forward verify plans that overflowed their capacity and were skipped.
-      generation: i32[1] steps this state has been through (``before_forward`` adds one), so the monitor can
-        refuse a state older than one it has seen; None in a state built by hand.
       fingerprint: static (pytree metadata, seen at trace time): the config and pool of the canary that allocated
         the state, so a canary refuses a same-shaped state of another config; None in a state built by hand.
     """
@@ -112,7 +110,6 @@ class CanaryState:
     full: _pool.GroupBuffers | None
     swa: _pool.GroupBuffers | None
     verify_overflows: jax.Array
-    generation: jax.Array | None = None
     fingerprint: int | None = dataclasses.field(default=None, metadata={"static": True})
 
     @property

@@ -194,7 +194,7 @@ class KvCanary:
                 )
         zero = lambda: jnp.zeros((1,), jnp.int32)  # noqa: E731  (one buffer each: both are donated)
         return CanaryState(
-            device=device, verify_overflows=zero(), generation=zero(), fingerprint=self.fingerprint, **buffers
+            device=device, verify_overflows=zero(), fingerprint=self.fingerprint, **buffers
         )
 
     def mark_init_finished(self, state: CanaryState) -> CanaryState:
@@ -239,8 +239,6 @@ class KvCanary:
         if not self.enabled:
             return state
         batch = self._checked_batch(state, batch)
-        if state.generation is not None:
-            state = dataclasses.replace(state, generation=state.generation + 1)
         rows = self._rows(state, batch)
         state = self._update_expected_tokens(state, batch, rows)
         for g in self.groups:

@@ -24,18 +24,18 @@ _NUM_COUNTER_WORDS = _constants.NUM_LAUNCH_TAGS * 2
 
 
 @jax.jit
-def _snapshot(write_index, verify_overflows, generation, kernel_run_counters, slot_run_counters) -> jax.Array:
+def _snapshot(write_index, verify_overflows, kernel_run_counters, slot_run_counters) -> jax.Array:
     """A fresh i32 copy of what the host polls, so the state itself can be donated to the next step."""
     as_i32 = lambda x: jax.lax.bitcast_convert_type(x, jnp.int32).reshape(-1)  # noqa: E731
     return jnp.concatenate(
-        [write_index, verify_overflows, generation, as_i32(kernel_run_counters), as_i32(slot_run_counters)]
+        [write_index, verify_overflows, as_i32(kernel_run_counters), as_i32(slot_run_counters)]
     )
 
 
-def _unpack(values: np.ndarray) -> tuple[int, int, int, np.ndarray, np.ndarray]:
-    counters = values[3:].view(np.uint32).reshape(2, _constants.NUM_LAUNCH_TAGS, 2)
+def _unpack(values: np.ndarray) -> tuple[int, int, np.ndarray, np.ndarray]:
+    counters = values[2:].view(np.uint32).reshape(2, _constants.NUM_LAUNCH_TAGS, 2)
     kernel, slot = u64_pairs_as_int64(counters[0]), u64_pairs_as_int64(counters[1])
-    return int(values[0]), int(values[1]), int(values[2]), kernel, slot
+    return int(values[0]), int(values[1]), kernel, slot
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,7 +98,7 @@ class CanaryMonitor:
         self._pending: collections.deque[tuple[int, int | None, jax.Array]] = collections.deque()
         self._index = 0  # write index as of the last processed snapshot
         self._overflows = 0
-        self._generation = -1  # the newest state's step count seen so far
+        self._launches = -1  # the most launches a state seen so far has been through (its age)
         self._report: _report.ViolationReport | None = None  # the last pulled ring
         self.user_step: int | None = None  # the caller's number for the latest step, if it passed one
 
@@ -161,11 +161,9 @@ class CanaryMonitor:
     @staticmethod
     def _take_snapshot(state: CanaryState) -> jax.Array:
         d = state.device
-        generation = state.generation if state.generation is not None else jnp.full((1,), -1, jnp.int32)
         return _snapshot(
             d.violation_log.violation_write_index,
             state.verify_overflows,
-            generation,
             d.kernel_run_counters,
             d.slot_run_counters,
         )
@@ -173,14 +171,16 @@ class CanaryMonitor:
     def _process(
         self, step: int, user_step: int | None, snapshot: jax.Array, state: CanaryState, periodic: bool = True
     ) -> None:
-        index, overflows, generation, kernel, slot = _unpack(np.asarray(snapshot))
-        if generation < self._generation:
+        index, overflows, kernel, slot = _unpack(np.asarray(snapshot))
+        # Every launch counts itself (kernel_run_counters), so their sum orders the states one run goes through.
+        launches = int(kernel.sum())
+        if launches < self._launches:
             raise ValueError(
-                f"state is older than one the monitor has already seen (it has been through {generation} step(s), "
-                f"an earlier one through {self._generation}): its ring misses the newer violations; pass the state "
-                "the latest step returned"
+                f"state is older than one the monitor has already seen (it has been through {launches} canary "
+                f"launch(es), an earlier one through {self._launches}): its ring misses the newer violations; pass "
+                "the state the latest step returned"
             )
-        self._generation = max(self._generation, generation)
+        self._launches = max(self._launches, launches)
         if overflows > self._overflows:
             capacities = {g.name: g.verify_capacity for g in self.canary.groups}
             self.log.warning(

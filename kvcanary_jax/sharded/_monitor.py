@@ -162,7 +162,6 @@ class ShardedCanaryMonitor:
         leaves = (log.violation_ring, log.violation_write_index, d.kernel_run_counters, d.slot_run_counters,
                   state.verify_overflows)  # fmt: skip
         shards = dict(zip(names, (self._shards(x) for x in leaves), strict=True))
-        generations = self._shards(state.generation) if state.generation is not None else {}
         views = {}
         for coords in self.monitors:
             device = dataclasses.replace(
@@ -173,7 +172,7 @@ class ShardedCanaryMonitor:
                 slot_run_counters=shards["slot"][coords],
             )  # fmt: skip
             views[coords] = dataclasses.replace(
-                state, device=device, verify_overflows=shards["overflows"][coords], generation=generations.get(coords)
+                state, device=device, verify_overflows=shards["overflows"][coords]
             )
         return views
 
