@@ -2,11 +2,10 @@
 
 Every argument not ``--canary-*`` goes to sglang-jax's own ``ServerArgs`` parser unchanged. The engine runs its
 scheduler in a spawned process (a patch made here would not reach it), so the engine is told to start
-
 :func:`run_scheduler_process` of this module instead of its own: it installs a subclass of the engine's ``Scheduler``
-that wraps its worker when it is built, in the child,
-then runs the engine's. ``--enable-single-process`` runs the same class in this process. The scheduler's own loop then
-drives the guard: ``run_batch`` feeds the requests (the token oracle), the step's end runs after the forward.
+that wraps its worker when it is built, in the child, then runs the engine's. ``--enable-single-process`` runs the
+same class in this process. The scheduler's own loop then drives the guard: ``run_batch`` feeds the requests (the
+token oracle), the step's end runs after the forward.
 
 A violation is logged as ``kvcanary violation: rid=... slot=... step=...``. In ``raise`` mode the scheduler then
 signals this process, which stops the engine (in-flight requests see their connection close) and exits with
