@@ -60,7 +60,7 @@ def readme_step(backend: str, wrapped: bool) -> Built:
     def forward(kv, batch):
         loc = jnp.where(batch.out_cache_loc >= 0, batch.out_cache_loc, num_slots)
         rows = jnp.broadcast_to(batch.input_ids[:, None, None], (loc.shape[0], 2, 64)).astype(jnp.bfloat16)
-        return [x.at[loc // page_size, loc % page_size].set(rows * s, mode="drop") for x, s in zip(kv, (1, -1))]
+        return [x.at[loc // page_size, loc % page_size].set(rows * s, mode="drop") for x, s in zip(kv, (1, -1), strict=True)]
 
     @functools.partial(jax.jit, donate_argnums=(0, 1))
     def step(kv, state, batch):

@@ -70,7 +70,7 @@ def main(processes: int, steps: int = 40) -> None:
         return [sys.executable, __file__, "--process", str(i), str(processes), coordinator, str(steps)]
 
     finished = multiprocess.launch_local(command, processes=processes, devices=2, timeout_s=1200, cwd=str(ROOT))
-    for i, (code, out, err) in enumerate(finished):
+    for i, (code, _out, err) in enumerate(finished):
         if code != 0:
             raise SystemExit(f"process {i} exited with {code}:\n{err[-4000:]}")
     print(finished[0][1].strip().splitlines()[-1])

@@ -21,8 +21,6 @@ from kvcanary_jax.core._constants import RealKvHashMode as RealKvHashMode
 from kvcanary_jax.core._constants import launch_tag as launch_tag
 from kvcanary_jax.core._ops import canary_verify as canary_verify
 from kvcanary_jax.core._ops import canary_write as canary_write
-from kvcanary_jax.core._transfer import restore_and_verify as restore_and_verify
-from kvcanary_jax.core._transfer import snapshot_records as snapshot_records
 from kvcanary_jax.core._plans import VerifyPlan as VerifyPlan
 from kvcanary_jax.core._plans import WritePlan as WritePlan
 from kvcanary_jax.core._plans import build_plans as build_plans
@@ -35,6 +33,8 @@ from kvcanary_jax.core._state import CanaryDeviceState as CanaryDeviceState
 from kvcanary_jax.core._state import ViolationLog as ViolationLog
 from kvcanary_jax.core._state import allocate_canary_buffer as allocate_canary_buffer
 from kvcanary_jax.core._state import records_as_int64 as records_as_int64
+from kvcanary_jax.core._transfer import restore_and_verify as restore_and_verify
+from kvcanary_jax.core._transfer import snapshot_records as snapshot_records
 from pallas_kernels.realkv import RealKvSource as RealKvSource
 
 __all__ = [

@@ -192,9 +192,8 @@ class KvCanary:
                     v_head=allocate_canary_buffer(g.num_slots) if v else None,
                     v_tail=allocate_canary_buffer(g.num_slots) if v else None,
                 )
-        zero = lambda: jnp.zeros((1,), jnp.int32)  # noqa: E731  (one buffer each: both are donated)
         return CanaryState(
-            device=device, verify_overflows=zero(), fingerprint=self.fingerprint, **buffers
+            device=device, verify_overflows=jnp.zeros((1,), jnp.int32), fingerprint=self.fingerprint, **buffers
         )
 
     def mark_init_finished(self, state: CanaryState) -> CanaryState:

@@ -6,8 +6,8 @@ from kvcanary_jax.sharded._layout import MeshLayout as MeshLayout
 from kvcanary_jax.sharded._layout import local as local
 from kvcanary_jax.sharded._layout import per_device as per_device
 from kvcanary_jax.sharded._layout import stacked as stacked
-from kvcanary_jax.sharded._report import DeviceObservedViolation as DeviceObservedViolation
 from kvcanary_jax.sharded._monitor import ShardedCanaryMonitor as ShardedCanaryMonitor
+from kvcanary_jax.sharded._report import DeviceObservedViolation as DeviceObservedViolation
 from kvcanary_jax.sharded._report import DeviceViolation as DeviceViolation
 from kvcanary_jax.sharded._report import ShardedViolationReport as ShardedViolationReport
 from kvcanary_jax.sharded._report import read_sharded_violations as read_sharded_violations

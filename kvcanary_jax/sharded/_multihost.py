@@ -29,6 +29,7 @@ from kvcanary_jax.sharded import _report as _sharded_report
 from kvcanary_jax.sharded._canary import ShardedKvCanary
 from pallas_kernels import checks
 
+
 def spans_processes(mesh_layout: _layout.MeshLayout) -> bool:
     """Whether the mesh holds devices of another process (a multi-controller mesh)."""
     return any(d.process_index != jax.process_index() for d in mesh_layout.mesh.devices.flat)
