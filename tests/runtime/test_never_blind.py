@@ -6,6 +6,7 @@ whose "forward" writes each new token's K row; requests decode one token per ste
 
 import dataclasses
 import functools
+import inspect
 import logging
 
 import chex
@@ -107,6 +108,31 @@ def test_a_request_in_row_0_is_checked_by_default():
     assert (v.request_row, v.expected_position, v.position) == (0, 1, 1)
     assert "  request: row=0 (batch entry 0) position expected=1 found=1" in kc.format_violation(
         v, total=1, overflowed=False
+    )
+
+
+def test_the_defaults_catch_a_flipped_kv_byte_of_a_live_slot():
+    """Before: real_kv_hash_mode defaulted to 'none', so with the defaults a flipped KV byte that leaves every chain
+    intact went unseen. Now CanaryConfig's default folds the first 16 bytes ('partial'); SGLang's op signatures keep
+    its 'none', and a canary left without KV sources is refused by name rather than blind."""
+    canary = kc.KvCanary(kc.CanaryConfig(), kc.CanaryPool(num_slots=NUM_SLOTS, page_size=PAGE, with_v=False))
+    assert canary.config.real_kv_hash_mode is kc.RealKvHashMode.PARTIAL
+    for op in (kc.canary_verify, kc.canary_write):
+        assert inspect.signature(op).parameters["real_kv_hash_mode"].default is kc.RealKvHashMode.NONE
+    with pytest.raises(ValueError, match=r"no full_k source; .* or set CanaryConfig\(real_kv_hash_mode='none'\)"):
+        canary.after_forward(canary.init_state(), _batch([A], 0), kc.KvSources())
+    monitor = kc.CanaryMonitor(canary)
+    k, state = jnp.zeros((NUM_SLOTS // PAGE, PAGE, 2, 8), jnp.float32), canary.init_state()
+    for i in range(6):
+        if i == 4:
+            k = flip_kv_byte(k, jnp.int32(A.slots[1]), page_size=PAGE)
+        k, state = _step(canary)(k, state, _batch([A, B], i))
+        monitor.after_step(state, step=i)
+    with pytest.raises(kc.KvCanaryViolationError) as raised:
+        monitor.final_check(state)
+    assert str(raised.value).splitlines()[0] == (
+        "kv-canary incident #1: verify_real_kv_hash (TAIL_K_FULL) at request row 0, position 1, slot 2 (FULL), "
+        "written at step 4"
     )
 
 
