@@ -12,12 +12,15 @@ at every later step, and a corrupted slot fails again at every step that reads i
   expected token) joins that root's incident: one swap, two requests;
 - else the row opens a new incident and is its root. Within one step, ``INVALID_INPUT`` rows and lower positions
   come first, so the root is the earliest link that broke.
+
+Rows of different scopes never share an incident: a mesh's data replicas hold their own requests and slots (its TP
+shards share theirs, so a fault every shard sees is one incident).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from kvcanary_jax.core import _explain
 from kvcanary_jax.core._constants import CanaryLaunchTag, FailReason
@@ -128,39 +131,40 @@ class Incidents:
         self._by_request: dict[int, Incident] = {}
         self._by_input: dict[tuple, Incident] = {}  # the same bad value, seen again (no slot to key it by)
 
-    def add(self, rows: Iterable, *, step: int | None = None) -> list[tuple[object, Incident]]:
-        """Adds one step's rows; returns each row with its incident, roots and lower positions first."""
+    def add(self, rows: Iterable, *, step: int | None = None, scope=None) -> list[tuple[object, Incident]]:
+        """Adds one step's rows of one scope (hashable; see the module docstring); returns each row with its incident,
+        roots and lower positions first."""
         placed, opened = [], []
         for v in sorted(rows, key=_order):
-            incident = self._find(v) or _crossed(v, opened)
+            incident = self._find(v, scope) or _crossed(v, opened)
             if incident is None:
                 incident = Incident(len(self.incidents) + 1, v, step, rows=0)
                 self.incidents.append(incident)
                 opened.append(incident)
                 if v.request_row is not None:
-                    self._by_request.setdefault(v.request_row, incident)
+                    self._by_request.setdefault((scope, v.request_row), incident)
             elif v.request_row != incident.root.request_row:
                 if v.request_row is not None and all(p.request_row != v.request_row for p in incident.partners):
                     incident.partners.append(v)
-                    self._by_request.setdefault(v.request_row, incident)
+                    self._by_request.setdefault((scope, v.request_row), incident)
             elif _position(v) != _position(incident.root) and _slot_key(v) not in incident._slots:
                 incident.knock_ons.append(v)
             incident.rows += 1
             incident.last_step = step
             if v.fail_reason & FailReason.INVALID_INPUT:
-                self._by_input.setdefault(_input_key(v), incident)
+                self._by_input.setdefault((scope, _input_key(v)), incident)
             else:
                 incident._slots.add(_slot_key(v))
-                self._by_slot.setdefault(_slot_key(v), incident)
+                self._by_slot.setdefault((scope, _slot_key(v)), incident)
             placed.append((v, incident))
         return placed
 
-    def _find(self, v) -> Incident | None:
+    def _find(self, v, scope) -> Incident | None:
         invalid = v.fail_reason & FailReason.INVALID_INPUT
-        found = self._by_input.get(_input_key(v)) if invalid else self._by_slot.get(_slot_key(v))
+        found = self._by_input.get((scope, _input_key(v))) if invalid else self._by_slot.get((scope, _slot_key(v)))
         if found is not None:
             return found
-        incident = self._by_request.get(v.request_row) if v.request_row is not None else None
+        incident = self._by_request.get((scope, v.request_row)) if v.request_row is not None else None
         if incident is None:
             return None
         root = incident.root
@@ -188,3 +192,39 @@ def group(violations: Iterable, *, step: int | None = None) -> list[Incident]:
     tracker = Incidents()
     tracker.add(violations, step=step)
     return tracker.incidents
+
+
+def messages(
+    placed: list[tuple[object, Incident]],
+    *,
+    opened: int,
+    raw: Callable[[object], str],
+    verbose: bool = False,
+    note: Callable[[Incident], str] | None = None,
+) -> list[str]:
+    """One message per incident that ``placed`` (from :meth:`Incidents.add`) touches, in order.
+
+    An incident numbered past ``opened`` is new: its headline, then ``raw`` (SGLang's lines) of its root row. An
+    older one gets one line counting its new rows. ``note`` adds a line under either (e.g. the devices that saw it);
+    ``verbose`` adds ``raw`` of every row, labelled with its incident.
+    """
+    out: dict[int, list[str]] = {}
+    for v, incident in placed:
+        if incident.number not in out:
+            new = incident.number > opened
+            if new:
+                lines = [incident.headline()]
+            else:
+                added = sum(1 for _, i in placed if i is incident)
+                lines = [
+                    f"kv-canary incident #{incident.number}: {added} more row(s) at step {incident.last_step} "
+                    f"({incident.rows} in all), at slots already reported"
+                ]
+            if note is not None:
+                lines.append(note(incident))
+            if new and not verbose:
+                lines.append(raw(incident.root))
+            out[incident.number] = lines
+        if verbose:
+            out[incident.number] += [raw(v), incident.label(v)]
+    return ["\n".join(lines) for lines in out.values()]

@@ -288,6 +288,40 @@ def test_reports_point_at_the_request_and_the_users_step(caplog):
     assert monitor.observed[0].user_step == 1003
 
 
+def test_one_remapped_page_table_entry_is_one_incident_with_its_knock_ons_counted(caplog):
+    """Before: one remapped req_to_token entry raised 8 violation blocks (HEAD and TAIL, the slot and the next one,
+    whose chain it broke), each with the same likely cause. Now: one headline naming the request, the position and
+    the user's step, the knock-on counted under it; verbose labels each raw row with its incident."""
+    canary = _canary(check_lag_steps=1, stats_every_n_steps=0, health_check_every_n_steps=0)
+    remap = lambda t, f: t.__setitem__((B.row, 1), A.slots[0])  # noqa: E731  B's position 1 -> A's position-0 slot
+    for verbose in (False, True):
+        monitor = kc.CanaryMonitor(canary, verbose=verbose)
+        k, state = jnp.zeros((NUM_SLOTS // PAGE, PAGE, 2, 8), jnp.float32), canary.init_state()
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="kvcanary_jax.monitor"):
+            for i in range(6):
+                k, state = _step(canary)(k, state, _batch([A, B], i, edit=remap if i == 4 else None))
+                monitor.after_step(state, step=1000 + i)
+            monitor.final_check(state)
+        (message,) = [r.getMessage() for r in caplog.records]
+        lines = message.split("\n")
+        assert lines[:3] == [
+            "kv-canary incident #1: verify_chain_hash+verify_position (HEAD_K_FULL) at request row 2, position 1, "
+            "slot 1 (FULL), written at step 1004",
+            "  likely cause: req_to_token maps this position to a slot holding another token's record: a wrong "
+            "page/slot mapping, a stale prefix-cache page, or a slot freed and reused while still referenced",
+            "  explains 4 row(s); knock-ons of this root at slot@position 23@2",
+        ]
+        blocks = [x for x in lines if x.startswith("kv_canary violation: ")]
+        labels = [x for x in lines if x.startswith("  incident: ")]
+        assert len(blocks) == (4 if verbose else 1) and len(labels) == (4 if verbose else 0)
+        if verbose:
+            assert labels.count("  incident: #1 (root)") == 1
+            knock_on = "  incident: knock-on of #1 (root: request row 2, position 1, slot 1 (FULL))"
+            assert labels.count(knock_on) == 2
+        assert [(i.number, i.rows) for i in monitor.incidents.incidents] == [(1, 4)]
+
+
 def test_numpy_integers_and_arrays_are_accepted_like_python_ones():
     pool = kc.CanaryPool(num_slots=np.int64(NUM_SLOTS), page_size=np.int32(PAGE))
     config = kc.CanaryConfig(ring_capacity=np.int64(16), sweep_interval=np.int32(0))
