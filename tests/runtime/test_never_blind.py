@@ -373,6 +373,28 @@ def _states(step, canary, edit, steps=6):
     return state
 
 
+@pytest.mark.parametrize("name", ["tokens past the arrays", "slot 0 inside a request"])
+def test_the_rows_a_rejected_request_causes_later_are_knock_ons_of_its_incident(name, caplog):
+    """Before: one precise INVALID_INPUT row, then 100+ verify rows over the next steps (the request it left
+    unwritten failing verify), none linked to it. Now the monitor shows one incident, rooted at the bad value; the
+    later rows are counted on it, not reported as new faults."""
+    canary = _canary(check_lag_steps=1, stats_every_n_steps=0, health_check_every_n_steps=0)
+    monitor, edit = kc.CanaryMonitor(canary), _BAD_INPUTS[name]
+    k, state = jnp.zeros((NUM_SLOTS // PAGE, PAGE, 2, 8), jnp.float32), canary.init_state()
+    with caplog.at_level(logging.WARNING, logger="kvcanary_jax.monitor"):
+        for i in range(6):
+            k, state = _step(canary)(k, state, _batch([A, B], i, edit=lambda t, f, i=i: edit(t, f, i)))
+            monitor.after_step(state, step=i)
+        monitor.final_check(state)
+    (incident,) = monitor.incidents.incidents
+    assert incident.root.fail_reason == FailReason.INVALID_INPUT
+    assert incident.rows == len(_rows(state)) > 1
+    messages = [r.getMessage() for r in caplog.records]
+    root = "request row 2, req_to_token[2, 1]" if name.startswith("slot 0") else "extend_lens[0] = 4 (the token count"
+    assert messages[0].startswith(f"kv-canary incident #1: invalid_input (HEAD_K_FULL) at {root}"), messages[0]
+    assert all(m.startswith("kv-canary incident #1: ") and "more row(s)" in m for m in messages[1:])
+
+
 @pytest.mark.parametrize("name", list(_BAD_INPUTS))
 def test_the_fused_and_the_per_launch_phase_agree_on_bad_inputs(name, monkeypatch):
     """The fused phase (GPU and default path) and the per-launch ops (the TPU's path) mask and report a bad value

@@ -18,7 +18,7 @@ REMAP_ROWS, (REMAP_HEADLINE,) = GOLDEN["req_to_token FULL"]  # request row 3's e
 def test_tp_shards_of_a_replica_share_an_incident_and_replicas_do_not():
     other_replica = _row(T.TAIL_K_FULL, 50, 20, 7, 7, KV, 3, 20, 0)  # request row 3 of replica 1: another request
     tracker = MeshIncidents(LAYOUT)
-    rows = [(DeviceViolation(d, dataclasses.replace(v)), 12) for d in ((0, 0), (0, 1)) for v in REMAP_ROWS]  # a row each
+    rows = [(DeviceViolation(d, dataclasses.replace(v)), 12) for d in ((0, 0), (0, 1)) for v in REMAP_ROWS]  # copies
     placed = tracker.add(rows + [(DeviceViolation((1, 1), other_replica), 12)])
     first, second = tracker.incidents
     assert first.headline() == REMAP_HEADLINE.replace("explains 8 row(s)", "explains 16 row(s)")
@@ -32,6 +32,6 @@ def test_tp_shards_of_a_replica_share_an_incident_and_replicas_do_not():
     ]
     again = tracker.add([(DeviceViolation((0, 1), v), 13) for v in REMAP_ROWS[:2]])  # the same slots, a step later
     assert _incidents.messages(again, opened=2, raw=raw, note=tracker.note) == [
-        "kv-canary incident #1: 2 more row(s) at step 13 (18 in all), at slots already reported\n"
+        "kv-canary incident #1: 2 more row(s) at step 13 (18 in all): the same fault, already reported\n"
         "  on devices: dp=0,tp=0; dp=0,tp=1"
     ]
