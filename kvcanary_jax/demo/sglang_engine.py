@@ -10,6 +10,7 @@ to the DP ranks round robin; each rank has its own requests, KV slots and radix-
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import os
 import tempfile
@@ -94,13 +95,16 @@ class MiniScheduler:
     decode, finish or cache, all with the engine's own helpers. Iterating yields one ``ScheduleBatch`` per step.
 
     Attributes:
-      worker: the ``ModelWorker``; tree_cache: the ``RadixCache``; step: steps run so far; dp: the DP ranks
-      (arrivals go to them round robin).
+      worker: the ``ModelWorker``; tree_cache: the ``RadixCache``; step: steps run so far; dp: the engine's DP ranks;
+      spread: arrivals go round robin to DP ranks ``0 .. spread - 1`` (default all of them).
     """
 
-    def __init__(self, worker: ModelWorker, arrivals: list[Arrival] | None = None):
+    def __init__(self, worker: ModelWorker, arrivals: list[Arrival] | None = None, *, spread: int | None = None):
         self.worker, self.runner = worker, worker.model_runner
         self.page_size, self.dp = self.runner.page_size, int(self.runner.dp_size)
+        self.spread = self.dp if spread is None else spread
+        if not 1 <= self.spread <= self.dp:
+            raise ValueError(f"spread must be a number of DP ranks in [1, {self.dp}]; got {spread=}")
         self.req_to_token_pool, self.allocator = worker.get_memory_pool()
         self.req_to_token_pool.clear()  # a fresh start on a reused worker
         self.allocator.clear()
@@ -131,21 +135,23 @@ class MiniScheduler:
         while self.pending and self.pending[0].step <= self.step:
             a = self.pending.pop(0)
             params = SamplingParams(temperature=0, max_new_tokens=a.max_new_tokens)
+            rank = self._arrived % self.spread if self.dp > 1 else None  # one rank: the engine's default
             req = Req(rid=a.rid, origin_input_text="", origin_input_ids=list(a.prompt), sampling_params=params,
-                      vocab_size=self.runner.model_config.vocab_size, dp_rank=self._arrived % self.dp)  # fmt: skip
+                      vocab_size=self.runner.model_config.vocab_size, dp_rank=rank)  # fmt: skip
             req.sampling_params.normalize(None)
             self._arrived += 1
             self.waiting.append(req)
         if self.running is not None:
             self.running.filter_batch()  # drop the requests the last step finished
         running = self.running_reqs()
-        room = MAX_RUNNING // self.dp - max((sum(r.dp_rank == k for r in running) for k in range(self.dp)), default=0)
+        busiest = max(collections.Counter(r.dp_rank or 0 for r in running).values(), default=0)
+        room = MAX_RUNNING // self.dp - busiest  # rows left on the fullest DP rank
         if self.waiting and room > 0:
             admitted, self.waiting = self.waiting[: min(room, max_new)], self.waiting[min(room, max_new) :]
             for req in admitted:
                 req.init_next_round_input(self.tree_cache)  # radix match: prefix_indices, last_node
                 self.tree_cache.inc_lock_ref(req.last_node)
-            per_rank = [[r for r in admitted if r.dp_rank == k] for k in range(self.dp)]
+            per_rank = [[r for r in admitted if (r.dp_rank or 0) == k] for k in range(self.dp)]
             batch = ScheduleBatch.init_new(per_rank, self.req_to_token_pool, self.allocator, self.tree_cache,
                                            self.runner.model_config, enable_overlap=False, dp_size=self.dp,
                                            mesh=self.runner.mesh)  # fmt: skip

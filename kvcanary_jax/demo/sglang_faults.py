@@ -173,14 +173,15 @@ class _Injector:
 
 def run(
     worker, fault: FaultKind | None = None, *, config: CanaryConfig = ENGINE_CONFIG, seed: int = 0,
-    inject_at: int = 12, num_requests: int = 16, max_steps: int = 200,
+    inject_at: int = 12, num_requests: int = 16, max_steps: int = 200, spread: int | None = None,
 ) -> EngineRun:  # fmt: skip
     """Runs the workload on ``worker`` wrapped by the canary, clean or with ``fault`` injected once.
 
     A clean run goes to the end of the workload and must report nothing; a fault run stops at the first report
-    (raise mode) and must name the injected slot, its request, the expected launch and bit, in the injection step.
+    (raise mode) and must name the injected slot, its request and DP rank, the expected launch and bit, in the
+    injection step. ``spread``: the DP ranks the requests go to (see ``MiniScheduler``).
     """
-    sched = sglang_engine.MiniScheduler(worker, sglang_engine.workload(seed, num_requests))
+    sched = sglang_engine.MiniScheduler(worker, sglang_engine.workload(seed, num_requests), spread=spread)
     injector = _Injector(fault, sched, inject_at, seed) if fault is not None else None
     guard = sglang_jax.wrap(worker, config, tree_cache=sched.tree_cache)
     writers: dict = {}  # slot number -> [(step, DP rank)] of its writes (DP > 1)
