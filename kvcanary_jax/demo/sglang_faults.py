@@ -280,6 +280,8 @@ def run_demo(
     out = out or sys.stdout
     started = time.perf_counter()
     worker, _ = sglang_engine.tiny_engine(page_size, seed=seed, tp=tp, dp=dp)
+    if dp > 1 and jax.default_backend() == "cpu":  # inject before the engine's own CPU writes collide across ranks
+        run_options.setdefault("inject_at", 5)
     runs = [run(worker, fault, seed=seed, **run_options) for fault in (None, *FAULTS)]
     ok = all(r.ok for r in runs)
     if as_json:
