@@ -306,5 +306,7 @@ def run_demo(
     if clean.note:
         out.write(f"  clean run: {clean.note}\n")
     verdict = "all faults detected at the injected slot, request and step; no false positives" if ok else "FAILED"
+    if ok and clean.note:
+        verdict = "all faults detected at the injected slot, request and step; the clean run found the engine's defect"
     out.write(f"\n{verdict} ({time.perf_counter() - started:.0f} s)\n")
     return 0 if ok else 1

@@ -28,6 +28,7 @@ import types
 
 import jax
 import numpy as np
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import kvcanary_jax as kc
@@ -119,7 +120,7 @@ class ParallelSglangCanary(sglang_jax.SglangCanary):
         self.canary = kc.KvCanary(self.config, pool)
         self.sharded = kc.ShardedKvCanary(self.canary, kc.MeshLayout(mesh, tp_axis=_TENSOR))
         self.monitor = kc.ShardedCanaryMonitor(self.sharded)
-        self.state = self.sharded.init_state()
+        self.state = self._typed(self.sharded.init_state())
 
     def _requests_of(self, infos) -> list:
         return [list(info.reqs or []) for info in infos]
@@ -135,7 +136,13 @@ class ParallelSglangCanary(sglang_jax.SglangCanary):
         return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
 
     def _mark_init_finished(self) -> None:
-        self.state = self.sharded.mark_init_finished(self.state)
+        self.state = self._typed(self.sharded.mark_init_finished(self.state))
+
+    def _typed(self, state):
+        """The per-device state typed as the launches return it (a full-length spec), so HEAD compiles once a mode."""
+        mesh, lead = self.runner.mesh, tuple(self.sharded.state_spec)
+        return jax.tree.map(lambda x: jax.device_put(x, NamedSharding(mesh, P(*lead, *(None,) * (x.ndim - len(lead))))),
+                            state)  # fmt: skip
 
     def _run(self, launch: str, *args, **static) -> None:
         with jax.set_mesh(self.runner.mesh):

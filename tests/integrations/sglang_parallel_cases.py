@@ -22,6 +22,10 @@ RUN = dict(num_requests=6, inject_at=5)  # faults land at step 5 of ~20: before 
 KV_FAULTS = (kc.testing.FaultKind.LIVE_KV, kc.testing.FaultKind.IDLE_CACHE_KV)  # a byte of K head 0: tensor=0 only
 
 
+def _compiled() -> dict:
+    return {name: jit._cache_size() for name, jit in _sglang_parallel._LAUNCHES.items()}
+
+
 @pytest.fixture(scope="module")
 def tp2dp2(tmp_path_factory):
     path = sglang_engine.write_tiny_llama(tmp_path_factory.mktemp("tp2dp2"), kv_heads=2)
@@ -45,14 +49,17 @@ def test_a_clean_run_on_one_rank_is_silent_and_leaves_the_engine_unchanged(tp2dp
     alone = sglang_engine.MiniScheduler(tp2dp2, sglang_engine.workload(0, RUN["num_requests"]), spread=1)
     for batch in alone:
         alone.run_batch(batch)
+    compiled = _compiled()
     clean = sglang_faults.run(tp2dp2, None, spread=1, **RUN)
     assert clean.ok and clean.launch_tag is None and clean.reported_by == [], clean.note
+    added = {name: n - compiled[name] for name, n in _compiled().items()}
+    assert added["head"] <= 2 and added["tail"] <= 2 and added["sweep"] <= 1, added  # extend + decode; no per-step
     assert clean.steps >= 15 and clean.cached_tokens > 0
     assert clean.tokens == {r.rid: list(r.output_ids) for r in alone.finished}  # the engine's own tokens
 
 
 def test_dp2_every_fault_is_found_at_its_rank_slot_and_request(tp2dp2):
-    ranks = set()
+    ranks, compiled = set(), _compiled()
     for fault in sglang_faults.FAULTS:
         run = sglang_faults.run(tp2dp2, fault, **RUN)
         assert run.injected is not None and run.ok, f"{fault}: {run.note}: {run}"
@@ -62,6 +69,8 @@ def test_dp2_every_fault_is_found_at_its_rank_slot_and_request(tp2dp2):
         assert run.reported_by == [f"data={run.injected.rank},tensor={t}" for t in ((0,) if fault in KV_FAULTS
                                                                                     else (0, 1))]  # fmt: skip
     assert 1 in ranks  # rank 1's slots are numbered from 1 again: a mix-up with rank 0 would show
+    added = {name: n - compiled[name] for name, n in _compiled().items()}
+    assert added["head"] <= 2 and added["tail"] <= 2 and added["sweep"] <= 1, added  # 4 wraps, compiled once
 
 
 def test_dp2_on_cpu_the_engines_own_cross_rank_kv_write_is_reported(tp2dp2):
