@@ -47,6 +47,14 @@ def main(argv: list[str] | None = None) -> int:
         help="toy: the built-in paged-KV model; sglang-jax: a tiny random Llama on the real engine (needs the "
         "sglang-jax extra)",
     )  # fmt: skip
+    demo.add_argument(
+        "--tp", type=int, default=1, metavar="T",
+        help="with --engine sglang-jax: split the KV heads over T CPU devices (tensor parallelism)",
+    )  # fmt: skip
+    demo.add_argument(
+        "--dp", type=int, default=1, metavar="D",
+        help="with --engine sglang-jax: D data-parallel ranks (each of --tp devices), each numbering its own KV slots",
+    )  # fmt: skip
     commands.add_parser("example", help="write, verify and tamper one request's chain, printing the report")
     serve = commands.add_parser(
         "serve", help="serve sglang-jax (its launch_server arguments, unchanged) with the canary in its scheduler: "
@@ -63,6 +71,9 @@ def main(argv: list[str] | None = None) -> int:
 
         print(tiny_llama.write_tiny_model(args.dir, seed=args.seed))
         return 0
+    if args.command == "demo" and args.engine == "toy" and (args.tp, args.dp) != (1, 1):
+        print("--tp / --dp are for --engine sglang-jax; the toy engine's sharded demo takes --devices N")
+        return 2
     if args.command == "demo" and args.engine == "sglang-jax":
         return _engine_demo(args)
     if args.command == "demo" and args.processes is not None:
@@ -105,8 +116,16 @@ def _engine_demo(args: argparse.Namespace) -> int:
     from kvcanary_jax.integrations import sglang_jax
 
     if args.devices is not None or args.backend not in ("auto", "xla"):
-        print("--engine sglang-jax runs on one device with the xla backend (the engine's KV is explicitly sharded)")
+        print("--engine sglang-jax runs with the xla backend on --tp x --dp devices (the engine's KV is explicitly "
+              "sharded); --devices is for the toy engine")  # fmt: skip
         return 2
+    if args.tp < 1 or args.dp < 1:
+        print(f"--tp and --dp must be >= 1; got --tp {args.tp} --dp {args.dp}")
+        return 2
+    if args.tp * args.dp > 1:
+        from kvcanary_jax.demo import sharded
+
+        sharded.use_fake_cpu_devices(args.tp * args.dp)  # before anything initialises jax
     try:
         sglang_jax.require_sglang_jax()
     except ImportError as err:
@@ -114,7 +133,7 @@ def _engine_demo(args: argparse.Namespace) -> int:
         return 1
     from kvcanary_jax.demo import sglang_faults
 
-    return sglang_faults.run_demo(seed=args.seed, as_json=args.json)
+    return sglang_faults.run_demo(seed=args.seed, tp=args.tp, dp=args.dp, as_json=args.json)
 
 
 if __name__ == "__main__":

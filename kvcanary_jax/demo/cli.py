@@ -33,7 +33,9 @@ def _row(r: faults.RunResult) -> tuple[str, ...]:
     dash = lambda x: "-" if x is None else str(x)  # noqa: E731
     result = "ok" if r.ok else f"FAIL: {r.note}"
     if r.fault == "none":
-        return ("none (clean run)", "-", "-", "-", "-", f"{r.steps} steps, 0 violations" if r.ok else "-", result)
+        defect = r.note.startswith("engine defect")  # sglang-jax's own, found by the canary (see sglang_faults)
+        outcome = "-" if not r.ok else f"{r.steps} steps, " + ("an engine defect (below)" if defect else "0 violations")
+        return ("none (clean run)", "-", "-", "-", "-", outcome, result)
     return (
         r.fault,
         r.group,

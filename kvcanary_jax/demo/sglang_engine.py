@@ -4,11 +4,13 @@ Needs the ``sglang-jax`` extra (Python >= 3.12). :func:`tiny_engine` writes a sm
 dummy load, then random weights: dummy weights give an all-zero KV cache), builds the engine's own ``ModelWorker``
 with one padding bucket per mode (nothing recompiles per step), and :class:`MiniScheduler` drives it with the
 engine's own ``ScheduleBatch`` helpers and ``RadixCache``, as ``Scheduler.get_new_batch_prefill`` /
-``update_running_batch`` / ``run_batch`` / ``process_batch_result_*`` do (overlap off, one DP rank).
+``update_running_batch`` / ``run_batch`` / ``process_batch_result_*`` do (overlap off). With ``dp > 1`` requests go
+to the DP ranks round robin; each rank has its own requests, KV slots and radix-cache namespace, as in the engine.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import os
 import tempfile
@@ -29,21 +31,28 @@ from kvcanary_jax.integrations import tiny_llama
 MAX_RUNNING, TOKEN_BUCKET, MAX_TOTAL_TOKENS = 16, 256, 2048
 
 
-def write_tiny_llama(directory: str | os.PathLike) -> str:
-    """Writes the tiny Llama's ``config.json`` into ``directory``; returns the model path."""
-    return str(tiny_llama.write_config(directory))
+def write_tiny_llama(directory: str | os.PathLike, *, kv_heads: int = 1) -> str:
+    """Writes the tiny Llama's ``config.json`` (``kv_heads`` KV heads) into ``directory``; returns the model path."""
+    return str(tiny_llama.write_config(directory, kv_heads=kv_heads))
 
 
-def build_worker(model_path: str, *, page_size: int = 1, seed: int = 0) -> ModelWorker:
-    """The engine's ``ModelWorker`` on CPU (it builds the ``ModelRunner`` and the padding buckets), random weights."""
+def build_worker(model_path: str, *, page_size: int = 1, seed: int = 0, tp: int = 1, dp: int = 1) -> ModelWorker:
+    """The engine's ``ModelWorker`` on CPU (it builds the ``ModelRunner`` and the padding buckets), random weights.
+
+    ``tp`` x ``dp`` devices on the engine's ``(data, tensor)`` mesh: ``dp`` DP ranks, each splitting its KV heads over
+    ``tp`` devices (sglang-jax's ``tp_size = tp * dp``, ``dp_size = dp``). On CPU they are host-platform devices.
+    """
+    if tp < 1 or dp < 1 or len(jax.devices()) < tp * dp:
+        raise ValueError(f"tp and dp must be >= 1 with tp * dp <= {len(jax.devices())} devices; got {tp=}, {dp=}")
     args = ServerArgs(
         model_path=model_path, device="cpu", attention_backend="native", load_format="dummy",
         skip_tokenizer_init=True, dtype="bfloat16", page_size=page_size, max_running_requests=MAX_RUNNING,
         max_total_tokens=MAX_TOTAL_TOKENS, max_prefill_tokens=TOKEN_BUCKET, chunked_prefill_size=TOKEN_BUCKET,
         precompile_bs_paddings=[MAX_RUNNING], precompile_token_paddings=[TOKEN_BUCKET],
-        disable_overlap_schedule=True, disable_precompile=True, random_seed=seed, tp_size=1, dp_size=1,
+        disable_overlap_schedule=True, disable_precompile=True, random_seed=seed, tp_size=tp * dp, dp_size=dp,
     )  # fmt: skip
-    mesh = create_device_mesh(ici_parallelism=[1, 1], dcn_parallelism=[1, 1])  # every axis Explicit
+    devices = jax.devices()[: tp * dp]
+    mesh = create_device_mesh(ici_parallelism=[dp, tp], dcn_parallelism=[1, 1], devices=devices)  # every axis Explicit
     worker = ModelWorker(server_args=args, mesh=mesh)
     randomize_weights(worker.model_runner, seed=seed)
     return worker
@@ -86,12 +95,16 @@ class MiniScheduler:
     decode, finish or cache, all with the engine's own helpers. Iterating yields one ``ScheduleBatch`` per step.
 
     Attributes:
-      worker: the ``ModelWorker``; tree_cache: the ``RadixCache``; step: steps run so far.
+      worker: the ``ModelWorker``; tree_cache: the ``RadixCache``; step: steps run so far; dp: the engine's DP ranks;
+      spread: arrivals go round robin to DP ranks ``0 .. spread - 1`` (default all of them).
     """
 
-    def __init__(self, worker: ModelWorker, arrivals: list[Arrival] | None = None):
+    def __init__(self, worker: ModelWorker, arrivals: list[Arrival] | None = None, *, spread: int | None = None):
         self.worker, self.runner = worker, worker.model_runner
-        self.page_size = self.runner.page_size
+        self.page_size, self.dp = self.runner.page_size, int(self.runner.dp_size)
+        self.spread = self.dp if spread is None else spread
+        if not 1 <= self.spread <= self.dp:
+            raise ValueError(f"spread must be a number of DP ranks in [1, {self.dp}]; got {spread=}")
         self.req_to_token_pool, self.allocator = worker.get_memory_pool()
         self.req_to_token_pool.clear()  # a fresh start on a reused worker
         self.allocator.clear()
@@ -103,6 +116,7 @@ class MiniScheduler:
         self.running: ScheduleBatch | None = None
         self.finished: list[Req] = []
         self.step = 0
+        self._arrived = 0
 
     def __iter__(self):
         while True:
@@ -112,34 +126,41 @@ class MiniScheduler:
             yield batch
 
     def running_reqs(self) -> list:
-        return list(self.running.reqs_info[0].reqs) if self.running is not None and not self.running.is_empty() else []
+        if self.running is None or self.running.is_empty():
+            return []
+        return [r for info in self.running.reqs_info for r in info.reqs or []]
 
     def next_batch(self, max_new: int = 4) -> ScheduleBatch | None:
         """Admits the step's arrivals; returns a prefill (mixed with the running decodes) or a decode batch."""
         while self.pending and self.pending[0].step <= self.step:
             a = self.pending.pop(0)
             params = SamplingParams(temperature=0, max_new_tokens=a.max_new_tokens)
+            rank = self._arrived % self.spread if self.dp > 1 else None  # one rank: the engine's default
             req = Req(rid=a.rid, origin_input_text="", origin_input_ids=list(a.prompt), sampling_params=params,
-                      vocab_size=self.runner.model_config.vocab_size)  # fmt: skip
+                      vocab_size=self.runner.model_config.vocab_size, dp_rank=rank)  # fmt: skip
             req.sampling_params.normalize(None)
+            self._arrived += 1
             self.waiting.append(req)
         if self.running is not None:
             self.running.filter_batch()  # drop the requests the last step finished
         running = self.running_reqs()
-        room = MAX_RUNNING - len(running)
+        busiest = max(collections.Counter(r.dp_rank or 0 for r in running).values(), default=0)
+        room = MAX_RUNNING // self.dp - busiest  # rows left on the fullest DP rank
         if self.waiting and room > 0:
             admitted, self.waiting = self.waiting[: min(room, max_new)], self.waiting[min(room, max_new) :]
             for req in admitted:
                 req.init_next_round_input(self.tree_cache)  # radix match: prefix_indices, last_node
                 self.tree_cache.inc_lock_ref(req.last_node)
-            batch = ScheduleBatch.init_new([admitted], self.req_to_token_pool, self.allocator, self.tree_cache,
-                                           self.runner.model_config, enable_overlap=False, dp_size=1,
+            per_rank = [[r for r in admitted if (r.dp_rank or 0) == k] for k in range(self.dp)]
+            batch = ScheduleBatch.init_new(per_rank, self.req_to_token_pool, self.allocator, self.tree_cache,
+                                           self.runner.model_config, enable_overlap=False, dp_size=self.dp,
                                            mesh=self.runner.mesh)  # fmt: skip
             batch.prepare_for_extend()
             if running:  # one EXTEND batch: the new prompts plus one token of every running request
                 self.running.prepare_for_decode()
                 batch.mix_with_running(self.running)
-                batch.reqs_info[0].decoding_reqs = self.running.reqs_info[0].reqs
+                for info, old in zip(batch.reqs_info, self.running.reqs_info, strict=True):
+                    info.decoding_reqs = old.reqs
                 self.running = None
             return batch
         if not running:
@@ -164,19 +185,22 @@ class MiniScheduler:
         return next_ids
 
     def process_result(self, batch: ScheduleBatch, next_ids: np.ndarray) -> None:
-        """Appends each request's token; finished requests go to the radix cache, new prefills are cached."""
-        info = batch.reqs_info[0]
-        decoding = {id(r) for r in info.decoding_reqs or []}
+        """Appends each request's token (DP rank ``k``'s rows start at ``k * per_dp_bs_size``); finished requests go
+        to the radix cache, new prefills are cached."""
         is_extend = batch.forward_mode.is_extend()
-        for req, token in zip(info.reqs, next_ids[: len(info.reqs)], strict=True):
-            req.output_ids.append(int(token))
-            req.check_finished()
-            if req.finished():
-                release_kv_cache(req, self.tree_cache)
-                self.finished.append(req)
-            elif is_extend and id(req) not in decoding:
-                self.tree_cache.cache_unfinished_req(req)  # others can match its prompt now
-        info.output_ids = np.asarray(next_ids[: len(info.reqs)], np.int32)
+        for rank, info in enumerate(batch.reqs_info):
+            reqs = info.reqs or []
+            base = rank * batch.per_dp_bs_size
+            decoding = {id(r) for r in info.decoding_reqs or []}
+            for req, token in zip(reqs, next_ids[base : base + len(reqs)], strict=True):
+                req.output_ids.append(int(token))
+                req.check_finished()
+                if req.finished():
+                    release_kv_cache(req, self.tree_cache)
+                    self.finished.append(req)
+                elif is_extend and id(req) not in decoding:
+                    self.tree_cache.cache_unfinished_req(req)  # others can match its prompt now
+            info.output_ids = np.asarray(next_ids[base : base + len(reqs)], np.int32)
         if is_extend:
             batch.filter_batch()
             if not batch.is_empty():
@@ -187,8 +211,12 @@ class MiniScheduler:
         self.step += 1
 
 
-def tiny_engine(page_size: int = 1, *, model_dir: str | None = None, seed: int = 0):
-    """``(worker, scheduler)``: the tiny Llama's ``ModelWorker`` and a :class:`MiniScheduler` over the workload."""
-    path = write_tiny_llama(model_dir or tempfile.mkdtemp(prefix="kvcanary_tiny_llama_"))
-    worker = build_worker(path, page_size=page_size, seed=seed)
+def tiny_engine(page_size: int = 1, *, model_dir: str | None = None, seed: int = 0, tp: int = 1, dp: int = 1):
+    """``(worker, scheduler)``: the tiny Llama's ``ModelWorker`` and a :class:`MiniScheduler` over the workload.
+
+    Under tensor parallelism (``tp > 1``) the model has ``tp`` KV heads, one per device (the engine splits KV heads,
+    and refuses fewer heads than devices).
+    """
+    path = write_tiny_llama(model_dir or tempfile.mkdtemp(prefix="kvcanary_tiny_llama_"), kv_heads=max(1, tp))
+    worker = build_worker(path, page_size=page_size, seed=seed, tp=tp, dp=dp)
     return worker, MiniScheduler(worker, workload(seed))

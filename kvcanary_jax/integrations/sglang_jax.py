@@ -31,9 +31,10 @@ What the engine's batch becomes (all on device, inside the HEAD / TAIL jits):
   The step's end (the radix sweep, planned on the scheduler's thread, and the monitor) runs on the worker's thread
   after the forward: ``after_step`` is not called by the user.
 
-Not mapped (refused with an error): speculative decoding, SWA / MLA / hybrid pools, data parallelism > 1 (each DP
-rank numbers its slots on its own), the fused Pathways forward-and-sample path, and an engine that already holds
-requests or cached prefixes (its records were never written: see :func:`refuse_warm_engine`).
+Not mapped (refused with an error): speculative decoding, SWA / MLA / hybrid pools, the fused Pathways
+forward-and-sample path, and an engine that already holds requests or cached prefixes (its records were never
+written: see :func:`refuse_warm_engine`). A parallel engine (``tp_size`` or ``dp_size`` > 1) gets a sharded canary
+over its mesh, each DP rank numbering its own slots: see :mod:`._sglang_parallel`.
 """
 
 from __future__ import annotations
@@ -191,6 +192,9 @@ def _sweep(state, plan, kv0, *, canary):
     return canary.sweep(state, plan, canary.kv_sources(full_k=k, full_v=v))
 
 
+_LAUNCHES = {"head": _head, "tail": _tail, "sweep": _sweep}
+
+
 # --- host side: the token oracle and the radix walk ---------------------------------------------------------------
 
 
@@ -293,15 +297,7 @@ class SglangCanary:
         self.layout = Layout(page_size=page_size, table_width=-(-width // page_size) * page_size)
         _, bs_buckets, cache_loc_buckets = worker.get_precompile_paddings()
         self.max_bs = int(max(bs_buckets))
-        token_pool = {}
-        if config.enable_verify_token_assert:
-            token_pool = dict(max_reqs=self.max_bs, max_context_len=self.layout.table_width)
-        # A forward verifies at most the slots attention reads: the largest cache_loc bucket.
-        pool = kc.CanaryPool(num_slots=int(kv0.shape[0]) * page_size, page_size=page_size,
-                             verify_capacity=int(max(cache_loc_buckets)), **token_pool)  # fmt: skip
-        self.canary = kc.KvCanary(config, pool)
-        self.monitor = kc.CanaryMonitor(self.canary)
-        self.state = self._on_mesh(self.canary.init_state())
+        self._build(kv0, max_verify=int(max(cache_loc_buckets)))
         self.steps = 0
         self.on_enqueue: Callable | None = None
         self.on_step_end: Callable | None = None
@@ -320,6 +316,18 @@ class SglangCanary:
             self._client_generate = worker.forward_batch_generation
             worker.forward_batch_generation = self._enqueue
 
+    def _build(self, kv0: jax.Array, *, max_verify: int) -> None:
+        """The canary (its pool: every slot of the engine's KV pool), its monitor and its state."""
+        token_pool = {}
+        if self.config.enable_verify_token_assert:
+            token_pool = dict(max_reqs=self.max_bs, max_context_len=self.layout.table_width)
+        # A forward verifies at most the slots attention reads: the largest cache_loc bucket.
+        pool = kc.CanaryPool(num_slots=int(kv0.shape[0]) * self.layout.page_size, page_size=self.layout.page_size,
+                             verify_capacity=max_verify, **token_pool)  # fmt: skip
+        self.canary = kc.KvCanary(self.config, pool)
+        self.monitor = kc.CanaryMonitor(self.canary)
+        self.state = self._on_mesh(self.canary.init_state())
+
     # -- what the user calls ---------------------------------------------------------------------------------------
 
     def expect(self, schedule_batch) -> None:
@@ -331,9 +339,7 @@ class SglangCanary:
         infos = getattr(schedule_batch, "reqs_info", None)
         if infos is None:
             raise TypeError(f"schedule_batch must be an sgl_jax ScheduleBatch; got {type(schedule_batch).__name__}")
-        if len(infos) != 1:
-            raise NotImplementedError(f"data parallelism is not mapped; the batch has {len(infos)} DP sections")
-        self._reqs = list(infos[0].reqs or [])
+        self._reqs = self._requests_of(infos)
 
     def after_step(self) -> None:
         """After the scheduler processed the step: sweeps the radix cache when due, then the lagged report check.
@@ -355,8 +361,7 @@ class SglangCanary:
         if entries is None and self.tree_cache is None:
             raise ValueError("sweep needs the engine's RadixCache: wrap(worker, config, tree_cache=...)")
         plan = self.canary.sweep_plan(radix_entries(self.tree_cache) if entries is None else entries)
-        with jax.set_mesh(self.runner.mesh):
-            self.state = _sweep(self.state, plan, self.runner.token_to_kv_pool.kv_buffer[0], canary=self.canary)
+        self._run("sweep", plan, self.runner.token_to_kv_pool.kv_buffer[0])
 
     def adopt(self, reqs, req_to_token_pool) -> int:
         """Writes the records of the slots the engine cached before the wrap (see :mod:`._sglang_adopt`)."""
@@ -409,9 +414,8 @@ class SglangCanary:
             )
         oracle = {}
         if write or verify:
-            oracle = token_oracle(reqs, model_worker_batch, self.layout, max_bs=self.max_bs, write=write,
-                                  verify=verify)  # fmt: skip
-        pending = Pending(rids=[getattr(r, "rid", None) for r in reqs or []], oracle=oracle,
+            oracle = self._token_oracle(reqs, model_worker_batch, write=write, verify=verify)
+        pending = Pending(rids=self._rids(reqs), oracle=oracle,
                           cache_loc=np.array(model_worker_batch.cache_loc, np.int32))  # fmt: skip
         interval = self.config.sweep_interval
         if self.overlap and self.tree_cache is not None and interval > 0 and self._enqueued % interval == 0:
@@ -461,15 +465,13 @@ class SglangCanary:
         if self.overlap and "expected_input_ids" in oracle:
             oracle["future_map"] = self.worker.future_token_ids_map  # the map this batch's input ids resolved with
         fields = {**batch_fields(forward_batch), "cache_loc": jnp.asarray(pending.cache_loc)}
-        static = dict(canary=self.canary, layout=self.layout, is_decode=is_decode)
-        with jax.set_mesh(self.runner.mesh):
-            self.state = _head(self.state, fields, oracle, **static)
+        static = dict(layout=self.layout, is_decode=is_decode)
+        self._run("head", fields, oracle, **static)
         out = self._forward(forward_batch, logits_metadata, *args, **kwargs)
         kv0 = self.runner.token_to_kv_pool.kv_buffer[0]  # the forward donated the pools: read them afresh
-        with jax.set_mesh(self.runner.mesh):
-            self.state = _tail(self.state, fields, oracle, kv0, **static)
+        self._run("tail", fields, oracle, kv0, **static)
         if self.steps == 0:  # warm-up over: the write-time chain-position assert turns on
-            self.state = self._on_mesh(self.canary.mark_init_finished(self.state))
+            self._mark_init_finished()
         self._requests[self.steps] = pending.rids
         while len(self._requests) > _KEEP_REQUESTS:
             self._requests.popitem(last=False)
@@ -490,6 +492,28 @@ class SglangCanary:
             new, self._reported = self.monitor.observed[self._reported :], len(self.monitor.observed)
             if self.on_step_end is not None:
                 self.on_step_end(self, new)
+
+    # -- what a parallel engine's guard (``_sglang_parallel``) replaces ---------------------------------------------
+
+    def _requests_of(self, infos) -> list:
+        """The forward's requests, from the ``ScheduleBatch``'s per-DP-rank sections."""
+        if len(infos) != 1:
+            raise NotImplementedError(f"this guard maps one DP rank; the batch has {len(infos)} DP sections")
+        return list(infos[0].reqs or [])
+
+    def _rids(self, reqs) -> list:
+        return [getattr(r, "rid", None) for r in reqs or []]
+
+    def _token_oracle(self, reqs, model_worker_batch, *, write: bool, verify: bool) -> dict:
+        return token_oracle(reqs, model_worker_batch, self.layout, max_bs=self.max_bs, write=write, verify=verify)
+
+    def _mark_init_finished(self) -> None:
+        self.state = self._on_mesh(self.canary.mark_init_finished(self.state))
+
+    def _run(self, launch: str, *args, **static) -> None:
+        """Runs the ``head``, ``tail`` or ``sweep`` jit on the state, on the engine's mesh."""
+        with jax.set_mesh(self.runner.mesh):
+            self.state = _LAUNCHES[launch](self.state, *args, canary=self.canary, **static)
 
     def _on_mesh(self, state):
         """The state replicated on the engine's mesh, typed as the jits return it (one compile per shape)."""
@@ -533,7 +557,8 @@ def refuse_warm_engine(worker, tree_cache=None) -> None:
     cached = int(tree_cache.total_size()) if tree_cache is not None else 0
     if cached:
         held.append(f"{cached} token(s) in its radix cache")
-    used = allocator.size - allocator.available_size() - cached
+    free = sum(allocator.available_size(r) for r in range(int(getattr(allocator, "dp_size", 1))))  # each DP rank's
+    used = allocator.size - free - cached
     if used > 0 and not live:
         held.append(f"{used} allocated KV slot(s)")
     if held:
@@ -562,8 +587,6 @@ def _check_engine(worker, config) -> None:
     algorithm = getattr(args, "speculative_algorithm", None)
     if algorithm not in (None, "", "NONE", "none"):
         problems.append(f"speculative decoding (speculative_algorithm={algorithm!r})")
-    if int(getattr(args, "dp_size", 1) or 1) > 1:
-        problems.append(f"data parallelism (dp_size={args.dp_size}: each DP rank numbers its KV slots on its own)")
     if getattr(model_worker, "_pd_fuse_sample", False):
         problems.append("the fused Pathways forward-and-sample path (it bypasses ModelRunner.forward)")
     pool = type(runner.token_to_kv_pool).__name__
@@ -588,7 +611,8 @@ def wrap(
 
     Args:
       worker: the ``sgl_jax`` worker the scheduler calls: a ``ModelWorker``, or the overlap scheduler's
-        ``ModelWorkerClient`` (dp_size=1), before it served anything.
+        ``ModelWorkerClient``, before it served anything. On a parallel engine (a mesh of several devices) the guard
+        is a :class:`._sglang_parallel.ParallelSglangCanary` (overlap scheduler off).
       config: the :class:`kvcanary_jax.CanaryConfig`; ``backend="auto"`` reads the engine's sharded KV in place.
       tree_cache: the scheduler's ``RadixCache``, swept every ``config.sweep_interval`` steps (None: no sweep).
       table_width: columns of the device-built page table; default the model's context length.
@@ -617,6 +641,11 @@ def wrap(
                 f"table_width must be a positive int of at least the engine's longest request (model_config."
                 f"context_len={context}); got table_width={table_width!r}"
             )
+    from kvcanary_jax.integrations import _sglang_parallel  # it imports this module
+
+    parallel = _sglang_parallel.is_parallel(worker)
+    if parallel:
+        _sglang_parallel.refuse(worker, live_requests)
     if live_requests is None:
         refuse_warm_engine(worker, tree_cache)
     if config.sweep_interval > 0 and tree_cache is None:
@@ -624,7 +653,8 @@ def wrap(
             f"config.sweep_interval={config.sweep_interval} sweeps the radix cache: pass tree_cache=<the "
             "scheduler's RadixCache>, or set sweep_interval=0"
         )
-    guard = SglangCanary(worker, config, tree_cache=tree_cache, table_width=table_width)
+    guard_class = _sglang_parallel.ParallelSglangCanary if parallel else SglangCanary
+    guard = guard_class(worker, config, tree_cache=tree_cache, table_width=table_width)
     if live_requests is not None:
         guard.adopt(live_requests, worker.get_memory_pool()[0])
     return guard

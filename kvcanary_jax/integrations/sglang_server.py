@@ -114,8 +114,10 @@ def refuse_unmapped(server_args) -> None:
     problems = []
     if server_args.speculative_algorithm not in (None, "", "NONE"):
         problems.append(f"speculative decoding (--speculative-algorithm {server_args.speculative_algorithm})")
-    if int(server_args.dp_size or 1) > 1:
-        problems.append(f"data parallelism (--dp-size {server_args.dp_size}: each rank numbers its KV slots alone)")
+    tp, dp = int(getattr(server_args, "tp_size", 1) or 1), int(server_args.dp_size or 1)
+    if tp > 1 or dp > 1:
+        problems.append(f"tensor or data parallelism (--tp-size {tp} --dp-size {dp}: only the in-process wrap maps "
+                        "them, without the overlap scheduler)")  # fmt: skip
     if getattr(server_args, "disaggregation_mode", "null") != "null":
         problems.append(f"PD disaggregation (--disaggregation-mode {server_args.disaggregation_mode})")
     if getattr(server_args, "multimodal", False):

@@ -29,11 +29,16 @@ _CORPUS = (
 )
 
 
-def write_config(directory: str | os.PathLike) -> pathlib.Path:
-    """Writes the tiny Llama's ``config.json`` into ``directory`` (made if missing); returns the directory."""
+def write_config(directory: str | os.PathLike, *, kv_heads: int = 1) -> pathlib.Path:
+    """Writes the tiny Llama's ``config.json`` into ``directory`` (made if missing); returns the directory.
+
+    ``kv_heads``: its KV heads (sglang-jax's tensor parallelism splits them: at least one per device).
+    """
+    if not isinstance(kv_heads, int) or not 1 <= kv_heads <= TINY_LLAMA["num_attention_heads"]:
+        raise ValueError(f"kv_heads must be an int in [1, {TINY_LLAMA['num_attention_heads']}]; got {kv_heads=}")
     path = pathlib.Path(directory)
     path.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text(json.dumps(TINY_LLAMA, indent=1))
+    (path / "config.json").write_text(json.dumps(dict(TINY_LLAMA, num_key_value_heads=kv_heads), indent=1))
     return path
 
 

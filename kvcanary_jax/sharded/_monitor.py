@@ -171,16 +171,17 @@ class ShardedCanaryMonitor:
         """Each device's share of what a monitor reads, as single-device arrays on that device (no host copy)."""
         d = state.device
         log = d.violation_log
-        names = ("ring", "index", "kernel", "slot", "overflows")
+        names = ("ring", "index", "kernel", "slot", "overflows", "context")
         leaves = (log.violation_ring, log.violation_write_index, d.kernel_run_counters, d.slot_run_counters,
-                  state.verify_overflows)  # fmt: skip
-        shards = dict(zip(names, (self._shards(x) for x in leaves), strict=True))
+                  state.verify_overflows, log.violation_context)  # fmt: skip
+        shards = dict(zip(names, (None if x is None else self._shards(x) for x in leaves), strict=True))
         views = {}
         for coords in self.monitors:
+            context = None if shards["context"] is None else shards["context"][coords]  # the request row, etc.
             device = dataclasses.replace(
                 d,
                 violation_log=ViolationLog(violation_ring=shards["ring"][coords],
-                                           violation_write_index=shards["index"][coords]),
+                                           violation_write_index=shards["index"][coords], violation_context=context),
                 kernel_run_counters=shards["kernel"][coords],
                 slot_run_counters=shards["slot"][coords],
             )  # fmt: skip

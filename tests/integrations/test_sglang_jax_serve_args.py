@@ -46,6 +46,9 @@ def test_unmapped_server_set_ups_are_refused_before_launch():
                                  multimodal=False)  # fmt: skip
     with pytest.raises(NotImplementedError, match=r"speculative decoding.*data parallelism.*PD disaggregation"):
         sglang_server.refuse_unmapped(args)
+    with pytest.raises(NotImplementedError, match=r"tensor or data parallelism \(--tp-size 2 --dp-size 1"):
+        sglang_server.refuse_unmapped(types.SimpleNamespace(speculative_algorithm=None, tp_size=2, dp_size=1,
+                                                            disaggregation_mode="null", multimodal=False))  # fmt: skip
     sglang_server.refuse_unmapped(types.SimpleNamespace(speculative_algorithm=None, dp_size=1,
                                                         disaggregation_mode="null", multimodal=False))  # fmt: skip
 
