@@ -34,12 +34,14 @@ def write_tiny_llama(directory: str | os.PathLike) -> str:
     return str(tiny_llama.write_config(directory))
 
 
-def build_worker(model_path: str, *, page_size: int = 1, seed: int = 0) -> ModelWorker:
+def build_worker(
+    model_path: str, *, page_size: int = 1, seed: int = 0, max_total_tokens: int = MAX_TOTAL_TOKENS
+) -> ModelWorker:
     """The engine's ``ModelWorker`` on CPU (it builds the ``ModelRunner`` and the padding buckets), random weights."""
     args = ServerArgs(
         model_path=model_path, device="cpu", attention_backend="native", load_format="dummy",
         skip_tokenizer_init=True, dtype="bfloat16", page_size=page_size, max_running_requests=MAX_RUNNING,
-        max_total_tokens=MAX_TOTAL_TOKENS, max_prefill_tokens=TOKEN_BUCKET, chunked_prefill_size=TOKEN_BUCKET,
+        max_total_tokens=max_total_tokens, max_prefill_tokens=TOKEN_BUCKET, chunked_prefill_size=TOKEN_BUCKET,
         precompile_bs_paddings=[MAX_RUNNING], precompile_token_paddings=[TOKEN_BUCKET],
         disable_overlap_schedule=True, disable_precompile=True, random_seed=seed, tp_size=1, dp_size=1,
     )  # fmt: skip
@@ -130,8 +132,7 @@ class MiniScheduler:
         if self.waiting and room > 0:
             admitted, self.waiting = self.waiting[: min(room, max_new)], self.waiting[min(room, max_new) :]
             for req in admitted:
-                req.init_next_round_input(self.tree_cache)  # radix match: prefix_indices, last_node
-                self.tree_cache.inc_lock_ref(req.last_node)
+                self.admit(req)
             batch = ScheduleBatch.init_new([admitted], self.req_to_token_pool, self.allocator, self.tree_cache,
                                            self.runner.model_config, enable_overlap=False, dp_size=1,
                                            mesh=self.runner.mesh)  # fmt: skip
@@ -146,6 +147,11 @@ class MiniScheduler:
             return None if not self.pending else self._idle_step()
         self.running.prepare_for_decode()
         return self.running
+
+    def admit(self, req) -> None:
+        """The radix match of a request let in (``prefix_indices``, ``last_node``), its prefix locked."""
+        req.init_next_round_input(self.tree_cache)
+        self.tree_cache.inc_lock_ref(req.last_node)
 
     def _idle_step(self):
         self.step = self.pending[0].step
