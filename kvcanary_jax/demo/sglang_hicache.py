@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import enum
 import functools
 import tempfile
 import types
@@ -25,8 +26,10 @@ from sgl_jax.srt.mem_cache import memory_pool
 from sgl_jax.srt.mem_cache.kv_cache_builder import init_hicache
 from sgl_jax.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 
-from kvcanary_jax import CanaryConfig, KvCanaryViolationError, testing
+from kvcanary_jax import CanaryConfig, CanaryLaunchTag, FailReason, KvCanaryViolationError
 from kvcanary_jax.demo import sglang_engine
+from kvcanary_jax.demo.faults import RunResult
+from kvcanary_jax.demo.sglang_faults import Injected
 from kvcanary_jax.integrations import sglang_hicache, sglang_jax
 
 POLICIES = ("write_through", "write_back")
@@ -147,14 +150,166 @@ def hicache_worker(model_dir: str | None = None, seed: int = 0):
     return sglang_engine.build_worker(path, seed=seed, max_total_tokens=DEVICE_TOKENS)
 
 
-def run(worker, *, write_policy: str, seed: int = 0, fault=None, max_steps: int = 400):
-    """One run: ``(sched, guard, carried, error)``; ``error`` is the violation raised (None on a clean run)."""
+def _flip_host_page(pool, bid: int, row: int) -> None:
+    """XORs byte 0 of layer 0's token row ``row`` in host page ``bid`` (the engine's retained copy)."""
+    page = pool._slots[bid]
+    raw = np.array(page)  # host memory: flipped on the host, as SGLang's drills flip byte 0 of the token row
+    raw[0, row].reshape(-1).view(np.uint8)[0] ^= 0xFF
+    pool._slots[bid] = jax.device_put(raw, page.sharding)
+
+
+# --- the transfer faults ------------------------------------------------------------------------------------------
+
+
+class TransferFault(enum.Enum):
+    """A HiCache transfer gone wrong, injected once into the engine's own host pool or load plan."""
+
+    HOST_KV_FLIP = "host_kv_flip"  # a byte of a host page's KV changed while it sat in host memory
+    WRONG_SLOTS = "wrong_slots"  # a load scattered its pages into the wrong device slots (the plan's pages reversed)
+    HOST_PAGE_REUSED = "host_page_reused"  # a host page overwritten by another prefix's backup before its load
+    STALE_LOAD = "stale_load"  # the forward read the new slots before the load's scatter landed
+
+
+# What the canary names for each: SGLang's launch and reasons (no new reason is needed).
+EXPECTED = {
+    TransferFault.HOST_KV_FLIP: (CanaryLaunchTag.TAIL_K_FULL, FailReason.VERIFY_REAL_KV_HASH),
+    TransferFault.WRONG_SLOTS: (CanaryLaunchTag.HEAD_K_FULL, FailReason.VERIFY_POSITION | FailReason.VERIFY_CHAIN_HASH),
+    TransferFault.HOST_PAGE_REUSED: (CanaryLaunchTag.HEAD_K_FULL, FailReason.VERIFY_CHAIN_HASH),
+    TransferFault.STALE_LOAD: (CanaryLaunchTag.TAIL_K_FULL, FailReason.VERIFY_REAL_KV_HASH),
+}
+
+
+def _chain_host_pages(tree_cache, node) -> list[int]:
+    """The host pages a load-back from ``node`` reads, root side first (as ``init_load_back`` walks them)."""
+    pages = []
+    while node is not tree_cache.root_node and node.evicted and node.backuped:
+        pages = [int(b) for b in node.component_data[0].host_value] + pages
+        node = node.parent
+    return pages
+
+
+class Drill:
+    """Injects ``fault`` into the first load-back at or after forward ``after``; ``host_page`` / ``pages`` say
+    where (the host page, or the load's device pages), resolved to the slot the canary must name by :meth:`target`.
+    """
+
+    def __init__(self, fault: TransferFault, after: int = 40):
+        self.fault, self.after = fault, after
+        self.host_page: int | None = None
+        self.pages: list | None = None
+        self._old_kv = None
+
+    def arm(self, sched: HiCacheScheduler, carried: sglang_hicache.HostRecords) -> None:
+        self.carried = carried
+        if self.fault in (TransferFault.HOST_KV_FLIP, TransferFault.HOST_PAGE_REUSED):
+            sched.before_load = self._before_load
+        else:
+            sched.before_flush, sched.after_flush = self._before_flush, self._after_flush
+
+    def _due(self, sched) -> bool:
+        return self.host_page is None and self.pages is None and sched.forwards >= self.after
+
+    def _before_load(self, sched, req) -> None:
+        """Changes the first host page the request's load-back will read (its backup settled first)."""
+        pages = _chain_host_pages(sched.tree_cache, req.last_host_node)
+        if not self._due(sched) or not pages:
+            return
+        sched.tree_cache.hicache_controller.drain_pending()
+        pool, bid = sched.tree_cache.host_pool, pages[0]
+        if self.fault is TransferFault.HOST_KV_FLIP:
+            _flip_host_page(pool, bid, row=0)
+        else:  # another prefix's page (KV and records, as the engine's backup would write both) in its place
+            others = [b for b in self.carried.records if b not in pages and pool._slots[b] is not None]
+            if not others:
+                return
+            pool._slots[bid] = pool._slots[others[0]]
+            self.carried.records[bid] = self.carried.records[others[0]]
+        self.host_page = bid
+
+    def _before_flush(self, sched, plan) -> None:
+        """The load about to be scattered: its pages reversed, or its slots' KV kept to put back after (stale)."""
+        if not self._due(sched):
+            return
+        for i, (host_pages, pages) in enumerate(plan):
+            if len(pages) >= 2:
+                self.pages = list(pages)
+                if self.fault is TransferFault.WRONG_SLOTS:
+                    plan[i] = (host_pages, list(pages)[::-1])
+                else:
+                    kv = sched.runner.token_to_kv_pool.kv_buffer
+                    self._old_kv = [np.asarray(layer)[np.asarray(pages)] for layer in kv]
+                return
+
+    def _after_flush(self, sched, plan) -> None:
+        if self._old_kv is None:
+            return
+        kv, index = sched.runner.token_to_kv_pool.kv_buffer, np.asarray(self.pages)
+        for layer, old in enumerate(self._old_kv):
+            raw = np.array(kv[layer])
+            raw[index] = old
+            kv[layer] = jax.device_put(raw, kv[layer].sharding)
+        self._old_kv = None
+
+    def target(self, sched) -> Injected | None:
+        """Where the canary must report: the load's forward, its request, the first slot the fault changed."""
+        for load in sched.loads:
+            if self.host_page is not None and self.host_page in load.host_pages:
+                page = load.pages[load.host_pages.index(self.host_page)]
+            elif self.pages is not None and load.pages == self.pages:
+                page = load.pages[0]
+            else:
+                continue
+            return Injected(load.step, page * sched.page_size, load.rid, -1)
+        return None
+
+
+@dataclasses.dataclass(frozen=True)
+class HiCacheRun:
+    """One run and what the canary reported first; ``loads`` / ``pages_loaded`` / ``pages_backed_up`` count the
+    transfers (load-backs, and pages carried each way)."""
+
+    policy: str
+    fault: str
+    steps: int
+    loads: int
+    pages_loaded: int
+    pages_backed_up: int
+    injected: Injected | None
+    detected_step: int | None
+    launch_tag: str | None
+    fail_reason: str | None
+    slot: int | None
+    rid: str | None
+    ok: bool
+    note: str = ""
+
+    def as_row(self) -> RunResult:
+        """The toy demo's row type (1-based steps), for its table."""
+        one = lambda x: None if x is None else x + 1  # noqa: E731
+        return RunResult(f"{self.fault} ({self.policy})", "FULL", self.steps, one(self.injected and self.injected.step),
+                         one(self.detected_step), None, self.launch_tag, self.fail_reason, self.ok, self.note)  # fmt: skip
+
+
+def run(worker, *, write_policy: str, fault: TransferFault | None = None, seed: int = 0, after: int = 40,
+        max_steps: int = 400, carry: bool = True) -> HiCacheRun:  # fmt: skip
+    """The workload on ``worker`` with HiCache and the canary, clean or with ``fault`` injected once.
+
+    ``carry=False`` leaves the records behind (the canary without :func:`~kvcanary_jax.integrations.sglang_hicache.
+    carry_records`): the first load-back is then a false alarm, since its new slots hold no records of the pages.
+
+    A clean run goes to the end and must report nothing; a fault run stops at the first report (raise mode), which
+    must name the fault's launch and reason, the load's forward, its request and the first slot the fault changed.
+    """
+    if write_policy not in POLICIES:
+        raise ValueError(f"write_policy must be one of {POLICIES}; got {write_policy!r}")
     sched = HiCacheScheduler(worker, workload(seed), write_policy=write_policy)
     guard = sglang_jax.wrap(worker, CONFIG, tree_cache=None)
     carried = sglang_hicache.carry_records(guard, sched.tree_cache)
-    if fault is not None:
-        fault.arm(sched, carried)
-    error = None
+    if not carry:
+        carried.detach()
+    drill = Drill(fault, after) if fault is not None else None
+    if drill is not None:
+        drill.arm(sched, carried)
     try:
         with cpu_load_kernel():
             for batch in sched:
@@ -164,17 +319,38 @@ def run(worker, *, write_policy: str, seed: int = 0, fault=None, max_steps: int 
                 if sched.forwards >= max_steps:
                     break
         guard.final_check()
-    except KvCanaryViolationError as err:
-        error = err
+    except KvCanaryViolationError:
+        pass  # raise mode: the monitor's observed list holds what it read
     finally:
         guard.unwrap()
-        carried.detach()
+        if carry:
+            carried.detach()
         sched.tree_cache.hicache_controller.shutdown()
-    return sched, guard, carried, error
-
-
-def _flip_host_page(pool, bid: int, row: int) -> None:
-    """XORs byte 0 of layer 0's token row ``row`` in host page ``bid`` (the engine's retained copy)."""
-    page = pool._slots[bid]
-    layer0 = testing.flip_kv_byte(page[0][None], np.int32(row), page_size=page.shape[1])[0]
-    pool._slots[bid] = jax.device_put(page.at[0].set(layer0), page.sharding)
+    first = guard.monitor.observed[0] if guard.monitor.observed else None
+    rid = guard.rid_of(first) if first is not None else None
+    injected = drill.target(sched) if drill is not None else None
+    if fault is None:
+        ok, note = first is None, "" if first is None else "false positive in the clean run"
+    elif injected is None:
+        ok, note = False, "no load-back to inject into"
+    elif first is None:
+        ok, note = False, "fault went undetected"
+    else:
+        tag, bits = EXPECTED[fault]
+        v = first.violation
+        problems = {
+            f"expected {tag.name}": v.launch_tag != tag,
+            f"expected a bit of {bits!r}": not (v.fail_reason & bits),
+            f"expected step {injected.step}": first.user_step != injected.step,
+            f"expected slot {injected.slot}": v.slot_idx != injected.slot,
+            f"expected request {injected.rid}": rid != injected.rid,
+        }
+        note = "; ".join(k for k, bad in problems.items() if bad)
+        ok = not note
+    return HiCacheRun(
+        policy=write_policy, fault="none" if fault is None else fault.value, steps=sched.forwards,
+        loads=len(sched.loads), pages_loaded=carried.loaded, pages_backed_up=carried.backed_up, injected=injected,
+        detected_step=first.user_step if first else None, launch_tag=first.violation.tag_label if first else None,
+        fail_reason="+".join(first.violation.reason_labels) if first else None,
+        slot=first.violation.slot_idx if first else None, rid=rid, ok=ok, note=note,
+    )  # fmt: skip
