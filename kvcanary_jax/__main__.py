@@ -4,6 +4,8 @@ engine's server with the canary on) or ``tiny-model DIR`` (a tiny Llama to serve
 from __future__ import annotations
 
 import argparse
+import io
+import json
 import sys
 
 from pallas_kernels.backend import BACKENDS
@@ -47,6 +49,10 @@ def main(argv: list[str] | None = None) -> int:
         help="toy: the built-in paged-KV model; sglang-jax: a tiny random Llama on the real engine (needs the "
         "sglang-jax extra)",
     )  # fmt: skip
+    demo.add_argument(
+        "--hicache", action="store_true",
+        help="with --engine sglang-jax: also the HiCache transfer faults (host-memory backup and load-back)",
+    )  # fmt: skip
     commands.add_parser("example", help="write, verify and tamper one request's chain, printing the report")
     serve = commands.add_parser(
         "serve", help="serve sglang-jax (its launch_server arguments, unchanged) with the canary in its scheduler: "
@@ -63,6 +69,9 @@ def main(argv: list[str] | None = None) -> int:
 
         print(tiny_llama.write_tiny_model(args.dir, seed=args.seed))
         return 0
+    if args.command == "demo" and args.hicache and args.engine != "sglang-jax":
+        print("--hicache needs --engine sglang-jax (HiCache is the engine's host-memory KV tier)")
+        return 2
     if args.command == "demo" and args.engine == "sglang-jax":
         return _engine_demo(args)
     if args.command == "demo" and args.processes is not None:
@@ -114,7 +123,20 @@ def _engine_demo(args: argparse.Namespace) -> int:
         return 1
     from kvcanary_jax.demo import sglang_faults
 
-    return sglang_faults.run_demo(seed=args.seed, as_json=args.json)
+    if not args.hicache:
+        return sglang_faults.run_demo(seed=args.seed, as_json=args.json)
+    from kvcanary_jax.demo import sglang_hicache
+
+    if not args.json:
+        status = sglang_faults.run_demo(seed=args.seed)
+        print()
+        return status | sglang_hicache.run_demo(seed=args.seed)
+    faults, hicache = io.StringIO(), io.StringIO()
+    status = sglang_faults.run_demo(seed=args.seed, as_json=True, out=faults)
+    status |= sglang_hicache.run_demo(seed=args.seed, as_json=True, out=hicache)
+    print(json.dumps({"ok": not status, "faults": json.loads(faults.getvalue()),
+                      "hicache": json.loads(hicache.getvalue())}, indent=2))  # fmt: skip
+    return status
 
 
 if __name__ == "__main__":

@@ -16,8 +16,12 @@ import contextlib
 import dataclasses
 import enum
 import functools
+import json
+import sys
 import tempfile
+import time
 import types
+from typing import TextIO
 
 import jax
 import jax.numpy as jnp
@@ -27,7 +31,7 @@ from sgl_jax.srt.mem_cache.kv_cache_builder import init_hicache
 from sgl_jax.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 
 from kvcanary_jax import CanaryConfig, CanaryLaunchTag, FailReason, KvCanaryViolationError
-from kvcanary_jax.demo import sglang_engine
+from kvcanary_jax.demo import cli, sglang_engine
 from kvcanary_jax.demo.faults import RunResult
 from kvcanary_jax.demo.sglang_faults import Injected
 from kvcanary_jax.integrations import sglang_hicache, sglang_jax
@@ -144,7 +148,7 @@ def cpu_load_kernel():
         memory_pool.write_kv_layer = original
 
 
-def hicache_worker(model_dir: str | None = None, seed: int = 0):
+def hicache_worker(model_dir: str | None = None, *, seed: int = 0):
     """The tiny Llama's ``ModelWorker`` with a small device pool (evictions every few requests)."""
     path = sglang_engine.write_tiny_llama(model_dir or tempfile.mkdtemp(prefix="kvcanary_tiny_llama_"))
     return sglang_engine.build_worker(path, seed=seed, max_total_tokens=DEVICE_TOKENS)
@@ -354,3 +358,32 @@ def run(worker, *, write_policy: str, fault: TransferFault | None = None, seed: 
         fail_reason="+".join(first.violation.reason_labels) if first else None,
         slot=first.violation.slot_idx if first else None, rid=rid, ok=ok, note=note,
     )  # fmt: skip
+
+
+def run_demo(*, seed: int = 0, as_json: bool = False, out: TextIO | None = None) -> int:
+    """A clean run per write policy, then every transfer fault in each; prints the table (or JSON). Returns 0 if all
+    were as expected."""
+    out = out or sys.stdout
+    started = time.perf_counter()
+    worker = hicache_worker(seed=seed)
+    runs = [run(worker, write_policy=p, fault=f, seed=seed) for p in POLICIES for f in (None, *TransferFault)]
+    ok = all(r.ok for r in runs)
+    if as_json:
+        payload = {"ok": ok, "engine": "sglang-jax", "hicache_storage": "none", "device_tokens": DEVICE_TOKENS,
+                   "wall_s": round(time.perf_counter() - started, 1), "runs": [dataclasses.asdict(r) for r in runs]}
+        out.write(json.dumps(payload, indent=2) + "\n")  # fmt: skip
+        return 0 if ok else 1
+    out.write(f"sglang-jax HiCache (hicache_storage='none', device pool {DEVICE_TOKENS} tokens, host pool 4x), "
+              "canary records carried with every page backed up and loaded back\n")  # fmt: skip
+    for r in runs:
+        if r.fault == "none":
+            out.write(f"  clean {r.policy}: {r.steps} steps, {r.loads} load-backs ({r.pages_loaded} pages loaded, "
+                      f"{r.pages_backed_up} backed up)\n")  # fmt: skip
+    out.write("\n" + cli.format_table([r.as_row() for r in runs]) + "\n")
+    for r in runs:
+        if r.injected is not None:
+            out.write(f"  {r.fault} ({r.policy}): load at step {r.injected.step + 1} of request {r.injected.rid} into "
+                      f"slot {r.injected.slot}; reported slot {r.slot}, request {r.rid}\n")  # fmt: skip
+    verdict = "all transfer faults detected at their load's slot, request and step; no false positives"
+    out.write(f"\n{verdict if ok else 'FAILED'} ({time.perf_counter() - started:.0f} s)\n")
+    return 0 if ok else 1
