@@ -33,7 +33,7 @@ from sgl_jax.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 from kvcanary_jax import CanaryConfig, CanaryLaunchTag, FailReason, KvCanaryViolationError
 from kvcanary_jax.demo import cli, sglang_engine
 from kvcanary_jax.demo.faults import RunResult
-from kvcanary_jax.demo.sglang_faults import Injected
+from kvcanary_jax.demo.sglang_faults import Injected, judge
 from kvcanary_jax.integrations import sglang_hicache, sglang_jax
 
 POLICIES = ("write_through", "write_back")
@@ -333,24 +333,7 @@ def run(worker, *, write_policy: str, fault: TransferFault | None = None, seed: 
     first = guard.monitor.observed[0] if guard.monitor.observed else None
     rid = guard.rid_of(first) if first is not None else None
     injected = drill.target(sched) if drill is not None else None
-    if fault is None:
-        ok, note = first is None, "" if first is None else "false positive in the clean run"
-    elif injected is None:
-        ok, note = False, "no load-back to inject into"
-    elif first is None:
-        ok, note = False, "fault went undetected"
-    else:
-        tag, bits = EXPECTED[fault]
-        v = first.violation
-        problems = {
-            f"expected {tag.name}": v.launch_tag != tag,
-            f"expected a bit of {bits!r}": not (v.fail_reason & bits),
-            f"expected step {injected.step}": first.user_step != injected.step,
-            f"expected slot {injected.slot}": v.slot_idx != injected.slot,
-            f"expected request {injected.rid}": rid != injected.rid,
-        }
-        note = "; ".join(k for k, bad in problems.items() if bad)
-        ok = not note
+    ok, note = judge(first, rid, injected, EXPECTED.get(fault))
     return HiCacheRun(
         policy=write_policy, fault="none" if fault is None else fault.value, steps=sched.forwards,
         loads=len(sched.loads), pages_loaded=carried.loaded, pages_backed_up=carried.backed_up, injected=injected,
