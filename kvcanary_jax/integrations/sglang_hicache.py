@@ -92,14 +92,16 @@ class HostRecords:
     def flush_backup(self, host_buffer_ids) -> None:
         """The engine's host put, then the records' (the D2H worker thread: its sync is off the step path)."""
         self._originals["flush_backup"](host_buffer_ids)
-        ps = self.page_size
+        ps, host = self.page_size, {}  # each staged gather copied to the host once
         for bid in host_buffer_ids:
             with self._lock:
                 entry = self._staged.pop(int(bid), None)
             if entry is None:  # freed since staging: the engine dropped its gather too
                 continue
             snap, i = entry
-            page = np.asarray(snap[:, i * ps : (i + 1) * ps])
+            if id(snap) not in host:
+                host[id(snap)] = np.asarray(snap)
+            page = host[id(snap)][:, i * ps : (i + 1) * ps].copy()
             with self._lock:
                 self.records[int(bid)] = page
                 self.backed_up += 1
