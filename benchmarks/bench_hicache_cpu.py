@@ -37,7 +37,8 @@ def main() -> None:
     guard = sglang_jax.wrap(worker, hc.CONFIG)
     pool = sched.tree_cache.host_pool
     bare = {name: getattr(pool, name) for name in ("stage_backup", "flush_backup", "stage_load", "flush_load")}
-    print(f"jax {jax.__version__}, {jax.default_backend()}, page size {guard.layout.page_size}, median of {args.repeats}")
+    ps = guard.layout.page_size
+    print(f"jax {jax.__version__}, {jax.default_backend()}, page size {ps}, median of {args.repeats}")
     print("pages  backup bare  backup +canary  extra/page  load bare  load +canary  extra/page   (ms)")
     with hc.cpu_load_kernel():
         for n in (1, 8, 32):
@@ -62,7 +63,8 @@ def main() -> None:
                 if carried is not None:
                     carried.detach()
             b0, l0, b1, l1 = row[1:]
-            print(f"{n:5d}  {b0:11.2f}  {b1:14.2f}  {(b1 - b0) / n:10.3f}  {l0:9.2f}  {l1:12.2f}  {(l1 - l0) / n:10.3f}")
+            extra_b, extra_l = (b1 - b0) / n, (l1 - l0) / n
+            print(f"{n:5d}  {b0:11.2f}  {b1:14.2f}  {extra_b:10.3f}  {l0:9.2f}  {l1:12.2f}  {extra_l:10.3f}")
             pool.free(ids)
     guard.unwrap()
     sched.tree_cache.hicache_controller.shutdown()

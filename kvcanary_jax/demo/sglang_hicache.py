@@ -126,7 +126,8 @@ class HiCacheScheduler(sglang_engine.MiniScheduler):
 @functools.partial(jax.jit, static_argnames=("page_size",))
 def _scatter_kv_layer(layer_kv, loc, kv_cache, page_size):
     pages = jnp.where(loc >= 0, loc // page_size, kv_cache.shape[0])  # -1 (padding): out of range, dropped
-    return kv_cache.at[pages, loc % page_size].set(layer_kv[:, 0], mode="drop", out_sharding=jax.typeof(kv_cache).sharding)
+    sharding = jax.typeof(kv_cache).sharding
+    return kv_cache.at[pages, loc % page_size].set(layer_kv[:, 0], mode="drop", out_sharding=sharding)
 
 
 def _cpu_write_kv_layer(layer_kv, loc, kv_cache, page_size, *_):
@@ -290,8 +291,9 @@ class HiCacheRun:
     def as_row(self) -> RunResult:
         """The toy demo's row type (1-based steps), for its table."""
         one = lambda x: None if x is None else x + 1  # noqa: E731
-        return RunResult(f"{self.fault} ({self.policy})", "FULL", self.steps, one(self.injected and self.injected.step),
-                         one(self.detected_step), None, self.launch_tag, self.fail_reason, self.ok, self.note)  # fmt: skip
+        return RunResult(f"{self.fault} ({self.policy})", "FULL", self.steps,
+                         one(self.injected and self.injected.step), one(self.detected_step), None, self.launch_tag,
+                         self.fail_reason, self.ok, self.note)  # fmt: skip
 
 
 def run(worker, *, write_policy: str, fault: TransferFault | None = None, seed: int = 0, after: int = 40,

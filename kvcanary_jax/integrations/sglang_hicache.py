@@ -69,9 +69,12 @@ class HostRecords:
             setattr(host_pool, name, getattr(self, name))
 
     def slots(self, device_pages) -> np.ndarray:
-        """i32[pages * page_size]: the token slots of global device pages, page by page."""
+        """i32[bucket * page_size]: the token slots of global device pages, page by page, padded with slot 0 to the
+        engine's page bucket (its gathers compile once per bucket; so do ours)."""
         pages = np.asarray(device_pages, np.int64).reshape(-1, 1)
-        return (pages * self.page_size + np.arange(self.page_size)).reshape(-1).astype(np.int32)
+        slots = (pages * self.page_size + np.arange(self.page_size)).reshape(-1).astype(np.int32)
+        bucket = self.host_pool._pad_to_page_bucket(len(pages)) * self.page_size
+        return np.pad(slots, (0, bucket - len(slots)))
 
     def _buffers(self) -> tuple:
         return tuple(getattr(self.guard.state.full, f) for f in self.fields)
@@ -115,10 +118,12 @@ class HostRecords:
         with self._lock:
             pages = [self.records.get(int(b), empty) for b in host_buffer_ids]
             self.loaded += len(pages)
-        records = jnp.asarray(np.concatenate(pages, axis=1))
+        slots = self.slots(device_indices)
+        records = np.concatenate(pages, axis=1)
+        records = jnp.asarray(np.pad(records, ((0, 0), (0, len(slots) - records.shape[1]), (0, 0), (0, 0))))
         guard = self.guard
         with jax.set_mesh(guard.runner.mesh):
-            restored = _restore(self._buffers(), records, jnp.asarray(self.slots(device_indices)))
+            restored = _restore(self._buffers(), records, jnp.asarray(slots))
         full = dataclasses.replace(guard.state.full, **dict(zip(self.fields, restored, strict=True)))
         guard.state = dataclasses.replace(guard.state, full=full)
 
