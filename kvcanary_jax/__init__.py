@@ -17,6 +17,8 @@ from kvcanary_jax.core import (
     CanaryMode,
     FailReason,
     Half,
+    Incident,
+    Incidents,
     InputField,
     InputProblem,
     KvCanaryViolationError,
@@ -61,6 +63,7 @@ from kvcanary_jax.runtime import (
 from kvcanary_jax.sharded import (
     DeviceObservedViolation,
     DeviceViolation,
+    MeshIncidents,
     MeshLayout,
     ShardedCanaryMonitor,
     ShardedKvCanary,
@@ -119,8 +122,11 @@ __all__ = [
     # Read reports: the host reader, its rows and messages, the errors the monitor raises.
     "DeviceObservedViolation",
     "DeviceViolation",
+    "Incident",
+    "Incidents",
     "KvCanaryHealthError",
     "KvCanaryViolationError",
+    "MeshIncidents",
     "ObservedViolation",
     "ShardedViolationReport",
     "Violation",

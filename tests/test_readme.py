@@ -73,6 +73,19 @@ def test_the_wrap_snippet_catches_a_corrupted_slot():
     assert "  request: row=0 (batch entry 0) position expected=4 found=4" in message
 
 
+def test_the_wrap_section_states_the_report_lag_the_health_period_and_the_real_kv_default():
+    """Issue 31: a violation is heard of ``check_lag_steps`` steps late, a stalled launch up to
+    ``health_check_every_n_steps`` late, and the default real-KV mode decides what a flipped KV byte does; the wrap
+    section says so, with the defaults the code has."""
+    readme = (ROOT / "README.md").read_text()
+    start = readme.index("## Wrapping a decode step\n")
+    section = readme[start : readme.index("\n## ", start + 1)]
+    c = kc.CanaryConfig()
+    assert f"`check_lag_steps` steps later ({c.check_lag_steps} by default)" in section
+    assert f"`health_check_every_n_steps` steps ({c.health_check_every_n_steps} by default)" in section
+    assert f'**The default is `"{c.real_kv_hash_mode.name.lower()}"`**' in section
+
+
 def test_the_core_ops_snippet_runs_as_written():
     _run(_python_block("The core ops in one screen"), "core_ops")
 

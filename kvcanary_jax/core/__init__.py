@@ -19,6 +19,8 @@ from kvcanary_jax.core._constants import Phase as Phase
 from kvcanary_jax.core._constants import PoolKind as PoolKind
 from kvcanary_jax.core._constants import RealKvHashMode as RealKvHashMode
 from kvcanary_jax.core._constants import launch_tag as launch_tag
+from kvcanary_jax.core._incidents import Incident as Incident
+from kvcanary_jax.core._incidents import Incidents as Incidents
 from kvcanary_jax.core._ops import canary_verify as canary_verify
 from kvcanary_jax.core._ops import canary_write as canary_write
 from kvcanary_jax.core._plans import VerifyPlan as VerifyPlan
@@ -50,6 +52,8 @@ __all__ = [
     "CanaryMode",
     "FailReason",
     "Half",
+    "Incident",
+    "Incidents",
     "InputField",
     "InputProblem",
     "KvCanaryViolationError",

@@ -56,7 +56,9 @@ class CanaryConfig:
     Attributes:
       mode: ``"raise"`` stops on the first violation, ``"log"`` warns and keeps serving, ``"off"`` disables.
       ring_capacity: rows in the fill-once violation ring (> 0).
-      real_kv_hash_mode: NONE, PARTIAL (first 16 bytes of each slot's KV) or ALL (``read_bytes``).
+      real_kv_hash_mode: NONE, PARTIAL (first 16 bytes of each slot's KV; the default) or ALL (``read_bytes``).
+        PARTIAL by default, unlike SGLang's NONE: with NONE a flipped KV byte that leaves the chain intact goes
+        unseen; PARTIAL catches it for +0.16 % of a decode step (README, "What each real-KV mode covers").
       sweep_interval: steps between sweeps of the prefix cache; 0 disables (needs a mode other than off).
       enable_write_input_assert: compare written tokens/positions with an oracle's expected inputs.
       enable_verify_token_assert: keep a per-request expected-token pool and check stored tokens against it.
@@ -69,7 +71,7 @@ class CanaryConfig:
 
     mode: CanaryMode | str = CanaryMode.RAISE
     ring_capacity: int = 1024
-    real_kv_hash_mode: RealKvHashMode | str | int = RealKvHashMode.NONE
+    real_kv_hash_mode: RealKvHashMode | str | int = RealKvHashMode.PARTIAL
     sweep_interval: int = 0
     enable_write_input_assert: bool = False
     enable_verify_token_assert: bool = False

@@ -8,21 +8,29 @@ at every later step, and a corrupted slot fails again at every step that reads i
 - a row whose slot (in its pool group) an incident already holds joins it (the same fault, seen again);
 - else a row of a request row an incident holds joins it, at the root's position (the same batch entry, another
   launch or group) or past it (a knock-on); after an ``INVALID_INPUT`` root every later row of the request is one;
+- else a verify row of a slot never written (its record all zero) joins the latest ``INVALID_INPUT`` incident that
+  names no request row (a bad span, e.g. ``extend_lens``, leaves every request from it on unwritten), as a knock-on,
+  and so does every later row of that request;
 - else a ``write_token`` row whose tokens are crossed with a root of the same step (each holds the other's
   expected token) joins that root's incident: one swap, two requests;
 - else the row opens a new incident and is its root. Within one step, ``INVALID_INPUT`` rows and lower positions
   come first, so the root is the earliest link that broke.
+
+Rows of different scopes never share an incident: a mesh's data replicas hold their own requests and slots (its TP
+shards share theirs, so a fault every shard sees is one incident).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from kvcanary_jax.core import _explain
 from kvcanary_jax.core._constants import CanaryLaunchTag, FailReason
 
 _MAX_LISTED = 4  # knock-on slots named in a headline; the rest are counted
+_WRITE_BITS = FailReason.WRITE_TOKEN_MISMATCH | FailReason.WRITE_POSITION_MISMATCH
+_INPUT = FailReason.INVALID_INPUT
 
 
 def _group(tag) -> str:
@@ -43,8 +51,14 @@ def _position(v) -> int:
     return v.expected_position if v.expected_position is not None else v.position
 
 
+def _unwritten(v) -> bool:
+    """A verify row of a slot whose record is all zero: the mark of a request a rejected batch value left unwritten."""
+    blank = (v.stored_token, v.position, v.stored_chain_hash) == (0, 0, 0)
+    return blank and not v.fail_reason & (_INPUT | _WRITE_BITS)
+
+
 def _order(v) -> tuple[int, int]:
-    return (0 if v.fail_reason & FailReason.INVALID_INPUT else 1, _position(v))
+    return (0 if v.fail_reason & _INPUT else 1, _position(v))
 
 
 @dataclasses.dataclass
@@ -77,7 +91,7 @@ class Incident:
     def where(self) -> str:
         """Request, position and slot of the root (an input problem names its batch field instead)."""
         r = self.root
-        if r.fail_reason & FailReason.INVALID_INPUT:
+        if r.fail_reason & _INPUT:
             request = f"request row {r.request_row}, " if r.request_row is not None else ""
             return f"{request}{_explain.input_line(r)}"
         if r.request_row is not None:
@@ -112,7 +126,7 @@ class Incident:
         """How a raw row points at its incident: the root itself, or a knock-on of it."""
         if v is self.root:
             return f"  incident: #{self.number} (root)"
-        if v.request_row != self.root.request_row:
+        if v.request_row != self.root.request_row and not self.root.fail_reason & _INPUT:
             kind = "crossed partner"
         else:
             kind = "knock-on" if _position(v) != _position(self.root) else "same fault"
@@ -124,47 +138,53 @@ class Incidents:
 
     def __init__(self):
         self.incidents: list[Incident] = []
-        self._by_slot: dict[tuple[str, int], Incident] = {}
-        self._by_request: dict[int, Incident] = {}
+        self._by_slot: dict[tuple, Incident] = {}  # keys: (scope, (group, slot))
+        self._by_request: dict[tuple, Incident] = {}  # keys: (scope, request row)
         self._by_input: dict[tuple, Incident] = {}  # the same bad value, seen again (no slot to key it by)
+        self._unlinked_input: dict[object, Incident] = {}  # per scope: the latest bad value naming no request
 
-    def add(self, rows: Iterable, *, step: int | None = None) -> list[tuple[object, Incident]]:
-        """Adds one step's rows; returns each row with its incident, roots and lower positions first."""
+    def add(self, rows: Iterable, *, step: int | None = None, scope=None) -> list[tuple[object, Incident]]:
+        """Adds one step's rows of one scope (hashable; see the module docstring); returns each row with its incident,
+        roots and lower positions first."""
         placed, opened = [], []
         for v in sorted(rows, key=_order):
-            incident = self._find(v) or _crossed(v, opened)
+            incident = self._find(v, scope) or _crossed(v, opened)
             if incident is None:
                 incident = Incident(len(self.incidents) + 1, v, step, rows=0)
                 self.incidents.append(incident)
                 opened.append(incident)
                 if v.request_row is not None:
-                    self._by_request.setdefault(v.request_row, incident)
-            elif v.request_row != incident.root.request_row:
+                    self._by_request.setdefault((scope, v.request_row), incident)
+                elif v.fail_reason & _INPUT:
+                    self._unlinked_input[scope] = incident
+            elif v.request_row != incident.root.request_row and not incident.root.fail_reason & _INPUT:
                 if v.request_row is not None and all(p.request_row != v.request_row for p in incident.partners):
                     incident.partners.append(v)
-                    self._by_request.setdefault(v.request_row, incident)
+                    self._by_request.setdefault((scope, v.request_row), incident)
             elif _position(v) != _position(incident.root) and _slot_key(v) not in incident._slots:
                 incident.knock_ons.append(v)
+                if v.request_row is not None:  # a request a bad value left unwritten: its later rows join too
+                    self._by_request.setdefault((scope, v.request_row), incident)
             incident.rows += 1
             incident.last_step = step
-            if v.fail_reason & FailReason.INVALID_INPUT:
-                self._by_input.setdefault(_input_key(v), incident)
+            if v.fail_reason & _INPUT:
+                self._by_input.setdefault((scope, _input_key(v)), incident)
             else:
                 incident._slots.add(_slot_key(v))
-                self._by_slot.setdefault(_slot_key(v), incident)
+                self._by_slot.setdefault((scope, _slot_key(v)), incident)
             placed.append((v, incident))
         return placed
 
-    def _find(self, v) -> Incident | None:
-        invalid = v.fail_reason & FailReason.INVALID_INPUT
-        found = self._by_input.get(_input_key(v)) if invalid else self._by_slot.get(_slot_key(v))
+    def _find(self, v, scope) -> Incident | None:
+        invalid = v.fail_reason & _INPUT
+        found = self._by_input.get((scope, _input_key(v))) if invalid else self._by_slot.get((scope, _slot_key(v)))
         if found is not None:
             return found
-        incident = self._by_request.get(v.request_row) if v.request_row is not None else None
+        incident = self._by_request.get((scope, v.request_row)) if v.request_row is not None else None
         if incident is None:
-            return None
+            return self._unlinked_input.get(scope) if _unwritten(v) else None
         root = incident.root
-        if root.fail_reason & FailReason.INVALID_INPUT or _position(v) >= _position(root):
+        if root.fail_reason & _INPUT or _position(v) >= _position(root):
             return incident
         return None
 
@@ -188,3 +208,39 @@ def group(violations: Iterable, *, step: int | None = None) -> list[Incident]:
     tracker = Incidents()
     tracker.add(violations, step=step)
     return tracker.incidents
+
+
+def messages(
+    placed: list[tuple[object, Incident]],
+    *,
+    opened: int,
+    raw: Callable[[object], str],
+    verbose: bool = False,
+    note: Callable[[Incident], str] | None = None,
+) -> list[str]:
+    """One message per incident that ``placed`` (from :meth:`Incidents.add`) touches, in order.
+
+    An incident numbered past ``opened`` is new: its headline, then ``raw`` (SGLang's lines) of its root row. An
+    older one gets one line counting its new rows. ``note`` adds a line under either (e.g. the devices that saw it);
+    ``verbose`` adds ``raw`` of every row, labelled with its incident.
+    """
+    out: dict[int, list[str]] = {}
+    for v, incident in placed:
+        if incident.number not in out:
+            new = incident.number > opened
+            if new:
+                lines = [incident.headline()]
+            else:
+                added = sum(1 for _, i in placed if i is incident)
+                lines = [
+                    f"kv-canary incident #{incident.number}: {added} more row(s) at step {incident.last_step} "
+                    f"({incident.rows} in all): the same fault, already reported"
+                ]
+            if note is not None:
+                lines.append(note(incident))
+            if new and not verbose:
+                lines.append(raw(incident.root))
+            out[incident.number] = lines
+        if verbose:
+            out[incident.number] += [raw(v), incident.label(v)]
+    return ["\n".join(lines) for lines in out.values()]

@@ -103,8 +103,7 @@ class KvCanaryViolationError(RuntimeError):
     def __init__(self, report: ViolationReport, message: str | None = None, incidents=None):
         super().__init__(message if message is not None else "\n".join(report.format()))
         self.report = report
-        # A sharded report groups nothing yet (its rows are per device): its error has no incidents.
-        self.incidents = list(incidents) if incidents is not None else getattr(report, "incidents", [])
+        self.incidents = list(incidents) if incidents is not None else report.incidents
 
 
 def read_violations(violation_log: ViolationLog) -> ViolationReport:

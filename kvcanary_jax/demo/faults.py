@@ -58,6 +58,7 @@ class RunResult:
     fail_reason: str | None
     ok: bool
     note: str = ""
+    headline: str | None = None  # the first incident's headline, as the monitor raised it
 
 
 def _layer(setup: loop.DemoSetup, group: PoolKind) -> int:
@@ -222,4 +223,5 @@ def run(
         fail_reason="+".join(first.violation.reason_labels) if first else None,
         ok=ok,
         note=note,
+        headline=setup.monitor.incidents.incidents[0].headline() if setup.monitor.incidents.incidents else None,
     )

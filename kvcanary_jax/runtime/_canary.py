@@ -732,5 +732,5 @@ class KvCanary:
                     raise ValueError(
                         f"real_kv_hash_mode={self.config.real_kv_hash_mode.name} but kv_cache_sources has no "
                         f"{name} source; pass kv_sources({name}=<layer-0 {half.name} array of the "
-                        f"{g.name.upper()} pool>)"
+                        f"{g.name.upper()} pool>), or set CanaryConfig(real_kv_hash_mode='none') to check chains only"
                     )

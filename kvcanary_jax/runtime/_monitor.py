@@ -236,17 +236,4 @@ class CanaryMonitor:
         raw = lambda v: _report.format_violation(  # noqa: E731
             v, total=total, overflowed=overflowed, step=step, written_step=written_step
         )
-        messages = {}
-        for v, incident in placed:
-            if incident.number not in messages:
-                if incident.number > opened:
-                    messages[incident.number] = [incident.headline()] + ([] if self.verbose else [raw(incident.root)])
-                else:
-                    added = sum(1 for _, i in placed if i is incident)
-                    messages[incident.number] = [
-                        f"kv-canary incident #{incident.number}: {added} more row(s) at step {written_step} "
-                        f"({incident.rows} in all), at slots already reported"
-                    ]
-            if self.verbose:
-                messages[incident.number] += [raw(v), incident.label(v)]
-        return ["\n".join(lines) for lines in messages.values()]
+        return _incidents.messages(placed, opened=opened, raw=raw, verbose=self.verbose)

@@ -9,12 +9,14 @@ from kvcanary_jax.sharded._layout import stacked as stacked
 from kvcanary_jax.sharded._monitor import ShardedCanaryMonitor as ShardedCanaryMonitor
 from kvcanary_jax.sharded._report import DeviceObservedViolation as DeviceObservedViolation
 from kvcanary_jax.sharded._report import DeviceViolation as DeviceViolation
+from kvcanary_jax.sharded._report import MeshIncidents as MeshIncidents
 from kvcanary_jax.sharded._report import ShardedViolationReport as ShardedViolationReport
 from kvcanary_jax.sharded._report import read_sharded_violations as read_sharded_violations
 
 __all__ = [
     "DeviceObservedViolation",
     "DeviceViolation",
+    "MeshIncidents",
     "MeshLayout",
     "ShardedCanaryMonitor",
     "ShardedKvCanary",

@@ -1,8 +1,10 @@
 """``ShardedCanaryMonitor``: the host monitor over a mesh, one :class:`CanaryMonitor` per device, one merged report.
 
 Each device's monitor polls that device's own write index and counters (lagged, non-blocking, as on one device).
-Violations are reported here instead, device-major, from the merged report: SGLang's message plus the device's mesh
-coordinates and, for a ``SHARD_CHAIN_MISMATCH`` row, the peer's. Other lines of a device's monitor (overflow
+Violations are reported here instead, from the merged report, grouped into incidents as on one device (a data
+replica's TP shards seeing one fault give one incident): each new incident's headline, then SGLang's message of its
+root row plus the device's mesh coordinates and, for a ``SHARD_CHAIN_MISMATCH`` row, the peer's; rows of an incident
+already reported come back as a count. Other lines of a device's monitor (overflow
 warnings, dropped-row notes, stats) pass through with the device appended. A mesh that spans ``jax.distributed``
 processes is polled by ``_multihost`` instead: lagged all-gathers give every process the same merged view.
 """
@@ -50,20 +52,36 @@ class ShardedCanaryMonitor:
     Under ``jax.distributed`` (a mesh spanning processes) every process creates one and makes the same calls: each
     then sees every device's violations, raises at the same step in raise mode, and names each device's process and
     host. ``report_on`` picks the one process that logs (None: every process logs).
+
+    Reports lead with one headline per incident, as :class:`~kvcanary_jax.CanaryMonitor`'s do; ``verbose=True`` adds
+    SGLang's lines of every row, each labelled with its incident. ``incidents`` is the :class:`MeshIncidents`
+    tracker (its ``.incidents``, the raised error's too).
     """
 
-    def __init__(self, sharded: ShardedKvCanary, *, log: logging.Logger | None = None, report_on: int | None = None):
+    def __init__(
+        self,
+        sharded: ShardedKvCanary,
+        *,
+        log: logging.Logger | None = None,
+        report_on: int | None = None,
+        verbose: bool = False,
+    ):
         if not isinstance(sharded, ShardedKvCanary):
             raise TypeError(f"sharded must be a ShardedKvCanary; got {type(sharded).__name__}")
         if report_on is not None and not (checks.is_int(report_on) and 0 <= report_on < jax.process_count()):
             raise ValueError(f"report_on must be a process index below {jax.process_count()} or None; got {report_on=}")
+        if not isinstance(verbose, bool):
+            raise TypeError(f"verbose must be a bool; got verbose={verbose!r}")
         self.sharded = sharded
+        self.verbose = verbose
+        self.incidents = _sharded_report.MeshIncidents(sharded.mesh_layout)
         self.config = sharded.canary.config
         self.log = log or _monitor.logger
         lay = sharded.mesh_layout
         self._multi = None
         if _multihost.spans_processes(lay):
-            self._multi = _multihost.MultiProcessMonitor(sharded, log=log, report_on=report_on)
+            self._multi = _multihost.MultiProcessMonitor(sharded, log=log, report_on=report_on, verbose=verbose)
+            self.incidents = self._multi.incidents
             self.monitors = {}
             return
         # Device monitors only log: raising is decided here, once every device has been polled.
@@ -133,23 +151,18 @@ class ShardedCanaryMonitor:
         if not new:
             return None
         merged = self.sharded.read_violations(state)  # a sync, only when some device has news
-        rows = {c: [dv for dv in merged.violations if dv.device == c] for c in new}
-        messages = []
+        own = {c: [dv for dv in merged.violations if dv.device == c] for c in new}
+        rows = []
         for coords, observed in new.items():  # device-major, as self.monitors is ordered
             for o in observed:
-                dv = rows[coords][o.row]
+                dv = own[coords][o.row]
                 self._observed.append(_sharded_report.DeviceObservedViolation(device=coords, peer=dv.peer, observed=o))
-                monitor = self.monitors[coords]
-                messages.append(
-                    _sharded_report.format_device_violation(
-                        dv,
-                        merged,
-                        step=monitor.step if monitor.user_step is None else monitor.user_step,
-                        written_step=o.step if o.user_step is None else o.user_step,
-                    )
-                )
+                rows.append((dv, o.step if o.user_step is None else o.user_step))
+        monitor = next(iter(self.monitors.values()))  # every device's monitor has seen the same steps
+        now = monitor.step if monitor.user_step is None else monitor.user_step
+        messages = self.incidents.messages(rows, merged, step=now, verbose=self.verbose)
         if self.config.mode is CanaryMode.RAISE:
-            raise _report.KvCanaryViolationError(merged, "\n".join(messages))
+            raise _report.KvCanaryViolationError(merged, "\n".join(messages), self.incidents.incidents)
         for message in messages:
             self.log.warning(message)
         return merged

@@ -55,7 +55,9 @@ class MultiProcessMonitor:
     collectives. Health errors and violations name the device, its process and its host.
     """
 
-    def __init__(self, sharded: ShardedKvCanary, *, log: logging.Logger | None, report_on: int | None):
+    def __init__(
+        self, sharded: ShardedKvCanary, *, log: logging.Logger | None, report_on: int | None, verbose: bool = False
+    ):
         self.sharded = sharded
         self.config = sharded.canary.config
         self.layout = sharded.mesh_layout
@@ -67,6 +69,8 @@ class MultiProcessMonitor:
         self.step = 0
         self.user_step: int | None = None
         self.observed: list[_sharded_report.DeviceObservedViolation] = []
+        self.verbose = verbose
+        self.incidents = _sharded_report.MeshIncidents(self.layout)  # the same on every process: the same rows
         self._pending: collections.deque[tuple[int, int | None, jax.Array]] = collections.deque()
         self._index = dict.fromkeys(self.devices, 0)
         self._overflows = dict.fromkeys(self.devices, 0)
@@ -154,22 +158,23 @@ class MultiProcessMonitor:
         capacity = self.config.ring_capacity
         now = self.step if self.user_step is None else self.user_step
         written = step if user_step is None else user_step
-        messages = []
+        rows, dropped = [], []
         for c, index in news.items():
             own = [dv for dv in merged.violations if dv.device == c]
             for row in range(min(self._index[c], capacity), min(index, capacity)):
                 dv = own[row]
                 o = _monitor.ObservedViolation(dv.violation, step, self.step, row, user_step)
                 self.observed.append(_sharded_report.DeviceObservedViolation(device=c, peer=dv.peer, observed=o))
-                messages.append(_sharded_report.format_device_violation(dv, merged, step=now, written_step=written))
+                rows.append((dv, written))
             if index > capacity:
-                messages.append(
+                dropped.append(
                     f"kv-canary: {index - max(self._index[c], capacity)} more violation(s) at step={written} on "
                     f"device {self._where(c)} were dropped: the ring (ring_capacity={capacity}) is full"
                 )
             self._index[c] = index
+        messages = self.incidents.messages(rows, merged, step=now, verbose=self.verbose) + dropped
         if self.config.mode is CanaryMode.RAISE:
-            raise _report.KvCanaryViolationError(merged, "\n".join(messages))
+            raise _report.KvCanaryViolationError(merged, "\n".join(messages), self.incidents.incidents)
         if self.logs_here:
             for message in messages:
                 self.log.warning(message)

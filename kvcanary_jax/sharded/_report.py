@@ -9,7 +9,7 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from kvcanary_jax.core import _report
+from kvcanary_jax.core import _incidents, _report
 from kvcanary_jax.core._constants import FailReason
 from kvcanary_jax.core._state import ViolationLog
 from kvcanary_jax.runtime import _monitor
@@ -85,6 +85,72 @@ class ShardedViolationReport:
     def format(self, *, step: int | None = None, start: int = 0) -> list[str]:
         """One message per violation from ``start`` on: SGLang's message plus the device (and peer) lines."""
         return [format_device_violation(v, self, step=step) for v in self.violations[start:]]
+
+    @property
+    def incidents(self) -> list[_incidents.Incident]:
+        """Every device's rows grouped by the fault behind them (steps unknown: the rings do not keep them)."""
+        tracker = MeshIncidents(self.mesh_layout)
+        tracker.add([(dv, None) for dv in self.violations])
+        return tracker.incidents
+
+
+class MeshIncidents:
+    """Incidents over a mesh: the TP shards of a data replica hold the same requests and slots, so a fault they all
+    see is one incident (its rows counted); data replicas never share one. See :mod:`kvcanary_jax.core._incidents`.
+    """
+
+    def __init__(self, mesh_layout: _layout.MeshLayout):
+        names = mesh_layout.axis_names
+        self.mesh_layout = mesh_layout
+        self._data_axes = tuple(i for i, name in enumerate(names) if name != mesh_layout.tp_axis)
+        self.tracker = _incidents.Incidents()
+        self.devices: dict[int, list[_layout.Coords]] = {}  # incident number -> devices that wrote its rows
+
+    @property
+    def incidents(self) -> list[_incidents.Incident]:
+        return self.tracker.incidents
+
+    def add(
+        self, rows: list[tuple[DeviceViolation, int | None]]
+    ) -> list[tuple[_report.Violation, _incidents.Incident]]:
+        """Adds rows (each its own decoded object, as a read gives), each with the step that wrote it, step by step
+        and replica by replica (device-major within)."""
+        groups: dict[tuple, list[_report.Violation]] = {}
+        for dv, step in rows:
+            groups.setdefault((step, tuple(dv.device[i] for i in self._data_axes)), []).append(dv.violation)
+        placed = []
+        for (step, scope), violations in sorted(groups.items(), key=lambda kv: -1 if kv[0][0] is None else kv[0][0]):
+            placed += self.tracker.add(violations, step=step, scope=scope)
+        device = {id(dv.violation): dv.device for dv, _ in rows}
+        for v, incident in placed:
+            seen = self.devices.setdefault(incident.number, [])
+            if device[id(v)] not in seen:
+                seen.append(device[id(v)])
+        return placed
+
+    def note(self, incident: _incidents.Incident) -> str:
+        """The devices whose rings hold the incident's rows, e.g. ``  on devices: dp=0,tp=0; dp=0,tp=1``."""
+        return "  on devices: " + "; ".join(self.mesh_layout.label(c) for c in self.devices[incident.number])
+
+    def messages(
+        self,
+        rows: list[tuple[DeviceViolation, int | None]],
+        merged: ShardedViolationReport,
+        *,
+        step: int | None,
+        verbose: bool = False,
+    ) -> list[str]:
+        """One message per incident the rows touch, as the single-device monitor writes them; a row's SGLang lines
+        carry its device (and peer). ``step`` is when the host read them."""
+        opened = len(self.incidents)
+        by_row = {id(dv.violation): (dv, written) for dv, written in rows}
+        placed = self.add(rows)
+
+        def raw(v: _report.Violation) -> str:
+            dv, written = by_row[id(v)]
+            return format_device_violation(dv, merged, step=step, written_step=written)
+
+        return _incidents.messages(placed, opened=opened, raw=raw, verbose=verbose, note=self.note)
 
 
 def format_device_violation(

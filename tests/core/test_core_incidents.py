@@ -105,3 +105,28 @@ def test_an_unwritten_request_is_one_incident_over_later_steps():
     assert incident.label(later[0]).startswith("  incident: knock-on of #1 (root: request row 1, req_to_token")
     another = _row(T.HEAD_K_FULL, 9, 2, 0, -1, CHAIN, 2, 2, 1)
     assert [i.number for _, i in tracker.add([another], step=6)] == [2], "another request's fault is a new incident"
+
+
+def test_a_bad_span_naming_no_request_takes_the_unwritten_slots_of_later_steps():
+    """An extend_lens span past the token arrays names no request row, but leaves the requests from it on unwritten:
+    later verify rows of never-written slots (records all zero) are its knock-ons, and so are those requests' later
+    rows; a row of a written slot is another fault."""
+    detail = InputField.EXTEND_LENS | InputProblem.PAST_TOKENS << 8
+    bad = Violation(T.HEAD_K_FULL, -1, -1, 4, 3, 0, -1, F.INVALID_INPUT, detail, None, None, 0)
+    blank = lambda tag, slot, request, reason=CHAIN | POS: _row(tag, slot, 0, 0, -1, reason, request, 2)  # noqa: E731
+    tracker = _incidents.Incidents()
+    tracker.add([bad], step=2)
+    unwritten = [blank(T.HEAD_K_FULL, 3, 0), blank(T.HEAD_K_FULL, 23, 2), blank(T.TAIL_K_FULL, 23, 2, CHAIN | POS | KV)]
+    tracker.add(unwritten, step=3)
+    later = _row(T.HEAD_K_FULL, 24, 3, 503, -1, CHAIN, 2, 3)  # request row 2 again, a written slot: still a knock-on
+    written = _row(T.HEAD_K_FULL, 40, 5, 77, -1, CHAIN, 1, 5)  # another request, a written slot: a fault of its own
+    placed = tracker.add([later, written], step=4)
+    assert [i.number for _, i in placed] == [1, 2]
+    first = tracker.incidents[0]
+    assert first.rows == 5 and first.partners == [] and first.knock_ons[0].slot_idx == 3
+    knock_ons = "  explains 5 row(s); knock-ons of this root at slot@position 3@2, 23@2, 24@3"
+    assert first.headline().splitlines()[-1] == knock_ons
+    assert first.label(later) == (
+        "  incident: knock-on of #1 (root: extend_lens[0] = 4 (the token count up to this row) runs past the 3 token "
+        "entries of the batch)"
+    )

@@ -6,7 +6,10 @@ Skipped where sglang-jax is not installed (it needs Python >= 3.12: ``pip instal
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import os
+import re
 import types
 
 import pytest
@@ -59,6 +62,27 @@ def test_each_fault_is_reported_at_its_slot_request_and_step(worker, fault):
     assert run.rid == run.injected.rid  # None for the idle-cache slot: no request holds it
     tag, _, _ = kc.testing.expected_detection(fault)
     assert run.launch_tag == tag.name
+
+
+@pytest.mark.parametrize("fault", sglang_faults.FAULTS[:3], ids=lambda f: f.value)
+def test_log_mode_reports_one_corruption_once_not_every_step(worker, fault, caplog):
+    """Before: in log mode (a server's), one corruption was reported again at every step that read the slot: 11-12
+    blocks for a flipped byte, 100s for a remapped entry or a token swap. Now: one headline with SGLang's block of
+    its root row; the rows the incident explains later come back as one-line counts."""
+    config = dataclasses.replace(sglang_faults.ENGINE_CONFIG, mode="log")
+    with caplog.at_level(logging.WARNING, logger="kvcanary_jax.monitor"):
+        run = sglang_faults.run(worker, fault, config=config)
+    assert run.injected is not None and run.ok, f"{run.note}: {run}"
+    messages = [r.getMessage() for r in caplog.records if r.getMessage().startswith("kv-canary incident #")]
+    (headline, *counts) = messages
+    assert headline.startswith("kv-canary incident #1: ") and headline.count("\nkv_canary violation: ") == 1
+    head = headline.split("\nkv_canary violation: ")[0]  # the incident's own lines (a swap names both requests)
+    assert head.splitlines()[0].endswith(f", written at step {run.injected.step}")
+    assert re.search(rf"slot {run.injected.slot}\b", head), head
+    count = r"kv-canary incident #1: \d+ more row\(s\) at step \d+ \(\d+ in all\): the same fault, already reported"
+    assert all(re.fullmatch(count, m) for m in counts), counts
+    rows = int(re.search(r"\((\d+) in all\)", counts[-1]).group(1)) if counts else 1
+    assert rows > len(messages), f"{rows} rows, {len(messages)} messages: later rows are counted, not re-reported"
 
 
 def test_pages_of_four_tokens_run_silent_and_catch_every_fault(tmp_path_factory):

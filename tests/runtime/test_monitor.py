@@ -227,7 +227,7 @@ def test_a_slot_already_reported_shows_again_only_as_a_count(caplog, verbose):
         "kv-canary incident #1: verify_real_kv_hash (TAIL_K_FULL) at request unknown, position 3, slot 5 (FULL), "
         "written at step 100\n"
     )
-    count = "kv-canary incident #1: 2 more row(s) at step 101 (4 in all), at slots already reported"
+    count = "kv-canary incident #1: 2 more row(s) at step 101 (4 in all): the same fault, already reported"
     assert messages[1].splitlines()[0] == count and (messages[1] == count) is not verbose
     raw = [m for m in messages if FIRST_LINE.search(m)]
     assert len(raw) == (3 if verbose else 1)

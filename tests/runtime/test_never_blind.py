@@ -6,6 +6,7 @@ whose "forward" writes each new token's K row; requests decode one token per ste
 
 import dataclasses
 import functools
+import inspect
 import logging
 
 import chex
@@ -107,6 +108,31 @@ def test_a_request_in_row_0_is_checked_by_default():
     assert (v.request_row, v.expected_position, v.position) == (0, 1, 1)
     assert "  request: row=0 (batch entry 0) position expected=1 found=1" in kc.format_violation(
         v, total=1, overflowed=False
+    )
+
+
+def test_the_defaults_catch_a_flipped_kv_byte_of_a_live_slot():
+    """Before: real_kv_hash_mode defaulted to 'none', so with the defaults a flipped KV byte that leaves every chain
+    intact went unseen. Now CanaryConfig's default folds the first 16 bytes ('partial'); SGLang's op signatures keep
+    its 'none', and a canary left without KV sources is refused by name rather than blind."""
+    canary = kc.KvCanary(kc.CanaryConfig(), kc.CanaryPool(num_slots=NUM_SLOTS, page_size=PAGE, with_v=False))
+    assert canary.config.real_kv_hash_mode is kc.RealKvHashMode.PARTIAL
+    for op in (kc.canary_verify, kc.canary_write):
+        assert inspect.signature(op).parameters["real_kv_hash_mode"].default is kc.RealKvHashMode.NONE
+    with pytest.raises(ValueError, match=r"no full_k source; .* or set CanaryConfig\(real_kv_hash_mode='none'\)"):
+        canary.after_forward(canary.init_state(), _batch([A], 0), kc.KvSources())
+    monitor = kc.CanaryMonitor(canary)
+    k, state = jnp.zeros((NUM_SLOTS // PAGE, PAGE, 2, 8), jnp.float32), canary.init_state()
+    for i in range(6):
+        if i == 4:
+            k = flip_kv_byte(k, jnp.int32(A.slots[1]), page_size=PAGE)
+        k, state = _step(canary)(k, state, _batch([A, B], i))
+        monitor.after_step(state, step=i)
+    with pytest.raises(kc.KvCanaryViolationError) as raised:
+        monitor.final_check(state)
+    assert str(raised.value).splitlines()[0] == (
+        "kv-canary incident #1: verify_real_kv_hash (TAIL_K_FULL) at request row 0, position 1, slot 2 (FULL), "
+        "written at step 4"
     )
 
 
@@ -262,6 +288,40 @@ def test_reports_point_at_the_request_and_the_users_step(caplog):
     assert monitor.observed[0].user_step == 1003
 
 
+def test_one_remapped_page_table_entry_is_one_incident_with_its_knock_ons_counted(caplog):
+    """Before: one remapped req_to_token entry raised 8 violation blocks (HEAD and TAIL, the slot and the next one,
+    whose chain it broke), each with the same likely cause. Now: one headline naming the request, the position and
+    the user's step, the knock-on counted under it; verbose labels each raw row with its incident."""
+    canary = _canary(check_lag_steps=1, stats_every_n_steps=0, health_check_every_n_steps=0)
+    remap = lambda t, f: t.__setitem__((B.row, 1), A.slots[0])  # noqa: E731  B's position 1 -> A's position-0 slot
+    for verbose in (False, True):
+        monitor = kc.CanaryMonitor(canary, verbose=verbose)
+        k, state = jnp.zeros((NUM_SLOTS // PAGE, PAGE, 2, 8), jnp.float32), canary.init_state()
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="kvcanary_jax.monitor"):
+            for i in range(6):
+                k, state = _step(canary)(k, state, _batch([A, B], i, edit=remap if i == 4 else None))
+                monitor.after_step(state, step=1000 + i)
+            monitor.final_check(state)
+        (message,) = [r.getMessage() for r in caplog.records]
+        lines = message.split("\n")
+        assert lines[:3] == [
+            "kv-canary incident #1: verify_chain_hash+verify_position (HEAD_K_FULL) at request row 2, position 1, "
+            "slot 1 (FULL), written at step 1004",
+            "  likely cause: req_to_token maps this position to a slot holding another token's record: a wrong "
+            "page/slot mapping, a stale prefix-cache page, or a slot freed and reused while still referenced",
+            "  explains 4 row(s); knock-ons of this root at slot@position 23@2",
+        ]
+        blocks = [x for x in lines if x.startswith("kv_canary violation: ")]
+        labels = [x for x in lines if x.startswith("  incident: ")]
+        assert len(blocks) == (4 if verbose else 1) and len(labels) == (4 if verbose else 0)
+        if verbose:
+            assert labels.count("  incident: #1 (root)") == 1
+            knock_on = "  incident: knock-on of #1 (root: request row 2, position 1, slot 1 (FULL))"
+            assert labels.count(knock_on) == 2
+        assert [(i.number, i.rows) for i in monitor.incidents.incidents] == [(1, 4)]
+
+
 def test_numpy_integers_and_arrays_are_accepted_like_python_ones():
     pool = kc.CanaryPool(num_slots=np.int64(NUM_SLOTS), page_size=np.int32(PAGE))
     config = kc.CanaryConfig(ring_capacity=np.int64(16), sweep_interval=np.int32(0))
@@ -311,6 +371,28 @@ def _states(step, canary, edit, steps=6):
     for i in range(steps):
         k, state = step(k, state, _batch([A, B], i, edit=lambda t, f, i=i: edit(t, f, i)))
     return state
+
+
+@pytest.mark.parametrize("name", ["tokens past the arrays", "slot 0 inside a request"])
+def test_the_rows_a_rejected_request_causes_later_are_knock_ons_of_its_incident(name, caplog):
+    """Before: one precise INVALID_INPUT row, then 100+ verify rows over the next steps (the request it left
+    unwritten failing verify), none linked to it. Now the monitor shows one incident, rooted at the bad value; the
+    later rows are counted on it, not reported as new faults."""
+    canary = _canary(check_lag_steps=1, stats_every_n_steps=0, health_check_every_n_steps=0)
+    monitor, edit = kc.CanaryMonitor(canary), _BAD_INPUTS[name]
+    k, state = jnp.zeros((NUM_SLOTS // PAGE, PAGE, 2, 8), jnp.float32), canary.init_state()
+    with caplog.at_level(logging.WARNING, logger="kvcanary_jax.monitor"):
+        for i in range(6):
+            k, state = _step(canary)(k, state, _batch([A, B], i, edit=lambda t, f, i=i: edit(t, f, i)))
+            monitor.after_step(state, step=i)
+        monitor.final_check(state)
+    (incident,) = monitor.incidents.incidents
+    assert incident.root.fail_reason == FailReason.INVALID_INPUT
+    assert incident.rows == len(_rows(state)) > 1
+    messages = [r.getMessage() for r in caplog.records]
+    root = "request row 2, req_to_token[2, 1]" if name.startswith("slot 0") else "extend_lens[0] = 4 (the token count"
+    assert messages[0].startswith(f"kv-canary incident #1: invalid_input (HEAD_K_FULL) at {root}"), messages[0]
+    assert all(m.startswith("kv-canary incident #1: ") and "more row(s)" in m for m in messages[1:])
 
 
 @pytest.mark.parametrize("name", list(_BAD_INPUTS))

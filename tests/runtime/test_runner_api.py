@@ -70,7 +70,7 @@ def test_off_mode_functions_are_identity():
 
 
 def test_argument_errors_teach():
-    canary = KvCanary(CanaryConfig(), SWA_POOL)
+    canary = KvCanary(CanaryConfig(real_kv_hash_mode="none"), SWA_POOL)  # KvSources() below: no real KV
     state = canary.init_state()
     with pytest.raises(TypeError, match="CanaryState"):
         canary.before_forward(object(), _tiny_batch())

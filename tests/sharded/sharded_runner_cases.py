@@ -166,11 +166,16 @@ def test_monitor_logs_violations_device_major_with_their_devices(name, caplog):
         mon.after_step(run.state)  # lagged: the host has not read step 6 yet
         assert not mon.observed
         merged = mon.final_check(run.state)
-    messages = [r.getMessage() for r in caplog.records if r.getMessage().startswith("kv_canary violation:")]
-    assert len(messages) == len(mon.observed) == merged.write_index >= 2
-    labels = [m.split("\n  device: ")[1].split(" ")[0] for m in messages]
-    assert labels == sorted(labels, key=lambda label: label != run.lay.label(first))
-    assert {run.lay.label(first), run.lay.label(last)} == set(labels)
+    # One message per incident: the two flips are one incident when both devices hold the same data replica (its
+    # TP shards: the same slot), else one each, device-major; every row is counted, every device named.
+    messages = [r.getMessage() for r in caplog.records if r.getMessage().startswith("kv-canary incident #")]
+    same_replica = data_index(run.lay, first) == data_index(run.lay, last)
+    assert len(messages) == len(mon.incidents.incidents) == (1 if same_replica else 2)
+    assert len(mon.observed) == merged.write_index == sum(i.rows for i in mon.incidents.incidents) >= 2
+    named = [m.split("\n  on devices: ")[1].split("\n")[0] for m in messages]
+    assert named == ([f"{run.lay.label(first)}; {run.lay.label(last)}"] if same_replica else
+                     [run.lay.label(first), run.lay.label(last)])  # fmt: skip
+    assert all(m.count("\nkv_canary violation: ") == 1 for m in messages), "each incident's root row, once"
     assert [o.device for o in mon.observed] == [dv.device for dv in merged.violations]
     assert all(o.observed.step == 6 for o in mon.observed)
 
@@ -188,6 +193,8 @@ def test_monitor_raises_once_every_device_was_polled(name):
         mon.after_step(run.state)
     assert caught.value.report.devices_with_violations == (faulty,)
     assert f"  device: {run.lay.label(faulty)}" in str(caught.value)
+    assert str(caught.value).startswith("kv-canary incident #1: verify_real_kv_hash (TAIL_K_FULL) at request ")
+    assert [i.rows for i in caught.value.incidents] == [len(caught.value.report.violations)]
 
 
 @pytest.mark.parametrize("name", RUNNER_LAYOUTS[:1])

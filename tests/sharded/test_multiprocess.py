@@ -98,7 +98,9 @@ def test_raise_mode_every_process_raises_the_same_error_at_the_same_step(scenari
     target = _same_everywhere(scenario, "kv_target")
     # Injected before step 5, read 2 steps later; every process got here, so none hung in a collective.
     assert raised is not None and raised["step"] == 7 and raised["devices"] == [target]
-    assert raised["text"].startswith("kv_canary violation: launch_tag=TAIL_K_FULL fail_reason=verify_real_kv_hash")
+    assert raised["text"].startswith("kv-canary incident #1: verify_real_kv_hash (TAIL_K_FULL) at request ")
+    assert f"\n  on devices: dp={target[0]},tp={target[1]}\n" in raised["text"]
+    assert "\nkv_canary violation: launch_tag=TAIL_K_FULL fail_reason=verify_real_kv_hash " in raised["text"]
 
 
 def test_report_on_must_name_a_process():
