@@ -40,6 +40,7 @@ from kvcanary_jax.core import (
     read_violations,
     records_as_int64,
     restore_and_verify,
+    restore_records,
     snapshot_records,
 )
 from kvcanary_jax.runtime import (
@@ -116,6 +117,7 @@ __all__ = [
     "canary_verify",
     "canary_write",
     "restore_and_verify",
+    "restore_records",
     "snapshot_records",
     # Read reports: the host reader, its rows and messages, the errors the monitor raises.
     "DeviceObservedViolation",

@@ -4,6 +4,8 @@ engine's server with the canary on) or ``tiny-model DIR`` (a tiny Llama to serve
 from __future__ import annotations
 
 import argparse
+import io
+import json
 import sys
 
 from pallas_kernels.backend import BACKENDS
@@ -55,6 +57,10 @@ def main(argv: list[str] | None = None) -> int:
         "--dp", type=int, default=1, metavar="D",
         help="with --engine sglang-jax: D data-parallel ranks (each of --tp devices), each numbering its own KV slots",
     )  # fmt: skip
+    demo.add_argument(
+        "--hicache", action="store_true",
+        help="with --engine sglang-jax: also the HiCache transfer faults (host-memory backup and load-back)",
+    )  # fmt: skip
     commands.add_parser("example", help="write, verify and tamper one request's chain, printing the report")
     serve = commands.add_parser(
         "serve", help="serve sglang-jax (its launch_server arguments, unchanged) with the canary in its scheduler: "
@@ -73,6 +79,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.command == "demo" and args.engine == "toy" and (args.tp, args.dp) != (1, 1):
         print("--tp / --dp are for --engine sglang-jax; the toy engine's sharded demo takes --devices N")
+        return 2
+    if args.command == "demo" and args.hicache and args.engine != "sglang-jax":
+        print("--hicache needs --engine sglang-jax (HiCache is the engine's host-memory KV tier)")
         return 2
     if args.command == "demo" and args.engine == "sglang-jax":
         return _engine_demo(args)
@@ -122,6 +131,9 @@ def _engine_demo(args: argparse.Namespace) -> int:
     if args.tp < 1 or args.dp < 1:
         print(f"--tp and --dp must be >= 1; got --tp {args.tp} --dp {args.dp}")
         return 2
+    if args.hicache and args.tp * args.dp > 1:
+        print("--hicache runs on one device; drop --tp / --dp")
+        return 2
     if args.tp * args.dp > 1:
         from kvcanary_jax.demo import sharded
 
@@ -133,7 +145,21 @@ def _engine_demo(args: argparse.Namespace) -> int:
         return 1
     from kvcanary_jax.demo import sglang_faults
 
-    return sglang_faults.run_demo(seed=args.seed, tp=args.tp, dp=args.dp, as_json=args.json)
+    engine = {"seed": args.seed, "tp": args.tp, "dp": args.dp}
+    if not args.hicache:
+        return sglang_faults.run_demo(**engine, as_json=args.json)
+    from kvcanary_jax.demo import sglang_hicache
+
+    if not args.json:
+        status = sglang_faults.run_demo(**engine)
+        print()
+        return status | sglang_hicache.run_demo(seed=args.seed)
+    faults, hicache = io.StringIO(), io.StringIO()
+    status = sglang_faults.run_demo(**engine, as_json=True, out=faults)
+    status |= sglang_hicache.run_demo(seed=args.seed, as_json=True, out=hicache)
+    print(json.dumps({"ok": not status, "faults": json.loads(faults.getvalue()),
+                      "hicache": json.loads(hicache.getvalue())}, indent=2))  # fmt: skip
+    return status
 
 
 if __name__ == "__main__":

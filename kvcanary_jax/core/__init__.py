@@ -36,6 +36,7 @@ from kvcanary_jax.core._state import ViolationLog as ViolationLog
 from kvcanary_jax.core._state import allocate_canary_buffer as allocate_canary_buffer
 from kvcanary_jax.core._state import records_as_int64 as records_as_int64
 from kvcanary_jax.core._transfer import restore_and_verify as restore_and_verify
+from kvcanary_jax.core._transfer import restore_records as restore_records
 from kvcanary_jax.core._transfer import snapshot_records as snapshot_records
 from pallas_kernels.realkv import RealKvSource as RealKvSource
 
@@ -74,5 +75,6 @@ __all__ = [
     "read_violations",
     "records_as_int64",
     "restore_and_verify",
+    "restore_records",
     "snapshot_records",
 ]

@@ -60,6 +60,32 @@ def snapshot_records(canary_buf: jax.Array, slots: jax.Array) -> jax.Array:
     return canary_buf.at[index].get(mode="fill", fill_value=0)
 
 
+@mesh.entry_point("canary_buf", "records", "slots")
+def restore_records(canary_buf: jax.Array, records: jax.Array, slots: jax.Array) -> jax.Array:
+    """Stores snapshot ``records`` at new ``slots``, unchecked: the first verify that reads the slots checks them.
+
+    An engine that already verifies every slot a forward reads (chain, position, token, real KV, with the request
+    named) only needs the records in place before that forward; :func:`restore_and_verify` also checks them at once.
+
+    Args:
+      canary_buf: u32[num_slots, 4, 2]; donate it under ``jax.jit`` so the store is in place.
+      records: u32[n, 4, 2] from :func:`snapshot_records`.
+      slots: i32[n] the new slots; padding entries (<= 0), and traced slots past the buffer, are not stored.
+
+    Returns:
+      The new buffer.
+
+    Raises:
+      ValueError, TypeError: for arrays of the wrong shape or dtype (named), or a host slot past the buffer.
+    """
+    canary_buf, records, slots = _host_arrays_to_jax((canary_buf, records, slots))
+    num_slots = checks.canary_buffer(canary_buf)
+    checks.array("slots", slots, dtype=jnp.int32, ndim=1)
+    checks.array("records", records, dtype=jnp.uint32, shape=(slots.shape[0], 4, 2))
+    _check_concrete_slots("slots", slots, num_slots)
+    return canary_buf.at[jnp.where(_in_pool(slots, num_slots), slots, num_slots)].set(records, mode="drop")
+
+
 @mesh.entry_point("state", "canary_buf", "records", "slots", "prev_slots", "positions")
 def restore_and_verify(
     state: CanaryDeviceState,
@@ -111,10 +137,9 @@ def restore_and_verify(
     _check_concrete_slots("prev_slots", prev_slots, num_slots)
     if not n:
         raise ValueError("slots needs at least one entry (shapes are static: pad it with slot 0)")
-    restored = _in_pool(slots, num_slots)
-    new_buf = canary_buf.at[jnp.where(restored, slots, num_slots)].set(records, mode="drop")
+    new_buf = restore_records(canary_buf, records, slots)
     plan = VerifyPlan(
-        slot_indices=jnp.where(restored, slots, 0),
+        slot_indices=jnp.where(_in_pool(slots, num_slots), slots, 0),
         expected_tokens=jnp.full((n,), -1, jnp.int32),
         expected_positions=positions,
         prev_slot_indices=prev_slots,

@@ -36,7 +36,10 @@ def write_tiny_llama(directory: str | os.PathLike, *, kv_heads: int = 1) -> str:
     return str(tiny_llama.write_config(directory, kv_heads=kv_heads))
 
 
-def build_worker(model_path: str, *, page_size: int = 1, seed: int = 0, tp: int = 1, dp: int = 1) -> ModelWorker:
+def build_worker(
+    model_path: str, *, page_size: int = 1, seed: int = 0, tp: int = 1, dp: int = 1,
+    max_total_tokens: int = MAX_TOTAL_TOKENS,
+) -> ModelWorker:  # fmt: skip
     """The engine's ``ModelWorker`` on CPU (it builds the ``ModelRunner`` and the padding buckets), random weights.
 
     ``tp`` x ``dp`` devices on the engine's ``(data, tensor)`` mesh: ``dp`` DP ranks, each splitting its KV heads over
@@ -47,7 +50,7 @@ def build_worker(model_path: str, *, page_size: int = 1, seed: int = 0, tp: int 
     args = ServerArgs(
         model_path=model_path, device="cpu", attention_backend="native", load_format="dummy",
         skip_tokenizer_init=True, dtype="bfloat16", page_size=page_size, max_running_requests=MAX_RUNNING,
-        max_total_tokens=MAX_TOTAL_TOKENS, max_prefill_tokens=TOKEN_BUCKET, chunked_prefill_size=TOKEN_BUCKET,
+        max_total_tokens=max_total_tokens, max_prefill_tokens=TOKEN_BUCKET, chunked_prefill_size=TOKEN_BUCKET,
         precompile_bs_paddings=[MAX_RUNNING], precompile_token_paddings=[TOKEN_BUCKET],
         disable_overlap_schedule=True, disable_precompile=True, random_seed=seed, tp_size=tp * dp, dp_size=dp,
     )  # fmt: skip
@@ -149,8 +152,7 @@ class MiniScheduler:
         if self.waiting and room > 0:
             admitted, self.waiting = self.waiting[: min(room, max_new)], self.waiting[min(room, max_new) :]
             for req in admitted:
-                req.init_next_round_input(self.tree_cache)  # radix match: prefix_indices, last_node
-                self.tree_cache.inc_lock_ref(req.last_node)
+                self.admit(req)
             per_rank = [[r for r in admitted if (r.dp_rank or 0) == k] for k in range(self.dp)]
             batch = ScheduleBatch.init_new(per_rank, self.req_to_token_pool, self.allocator, self.tree_cache,
                                            self.runner.model_config, enable_overlap=False, dp_size=self.dp,
@@ -167,6 +169,11 @@ class MiniScheduler:
             return None if not self.pending else self._idle_step()
         self.running.prepare_for_decode()
         return self.running
+
+    def admit(self, req) -> None:
+        """The radix match of a request let in (``prefix_indices``, ``last_node``), its prefix locked."""
+        req.init_next_round_input(self.tree_cache)
+        self.tree_cache.inc_lock_ref(req.last_node)
 
     def _idle_step(self):
         self.step = self.pending[0].step

@@ -171,6 +171,30 @@ class _Injector:
                 return
 
 
+def judge(first, rid: str | None, injected: Injected | None, expected, *, rank: int | None = None) -> tuple[bool, str]:
+    """``(ok, note)`` for a run: clean (``expected`` None) must report nothing; a fault run's first report must carry
+    the ``expected = (launch tag, reason bits)`` and name the injected step, slot and request (and, given the
+    reporting device's DP ``rank``, the injected rank)."""
+    if expected is None:
+        return first is None, "" if first is None else "false positive in the clean run"
+    if injected is None:
+        return False, "no target to inject into"
+    if first is None:
+        return False, "fault went undetected"
+    tag, bits = expected
+    v = first.violation
+    problems = {
+        f"expected {tag.name}": v.launch_tag != tag,
+        f"expected a bit of {bits!r}": not (v.fail_reason & bits),
+        f"expected step {injected.step}": first.user_step != injected.step,
+        f"expected slot {injected.slot}": v.slot_idx != injected.slot,
+        f"expected request {injected.rid}": rid != injected.rid,
+        f"expected DP rank {injected.rank}": rank is not None and rank != injected.rank,
+    }
+    note = "; ".join(k for k, bad in problems.items() if bad)
+    return not note, note
+
+
 def run(
     worker, fault: FaultKind | None = None, *, config: CanaryConfig = ENGINE_CONFIG, seed: int = 0,
     inject_at: int = 12, num_requests: int = 16, max_steps: int = 200, spread: int | None = None,
@@ -214,25 +238,11 @@ def run(
     reported_by = sorted({guard.sharded.mesh_layout.label(o.device) for o in reports}) if device else []
     injected = injector.injected if injector else None
     defect = _cross_rank_write(writers, first, device) if fault is None and device else ""
-    if fault is None:
-        ok, note = first is None or bool(defect), "" if first is None else defect or "false positive in the clean run"
-    elif injected is None:
-        ok, note = False, "no target to inject into"
-    elif first is None:
-        ok, note = False, "fault went undetected"
+    if defect:
+        ok, note = True, defect
     else:
-        tag, bits, _ = testing.expected_detection(fault)
-        v = first.violation
-        problems = {
-            f"expected {tag.name}": v.launch_tag != tag,
-            f"expected a bit of {bits!r}": not (v.fail_reason & bits),
-            f"expected step {injected.step}": first.user_step != injected.step,
-            f"expected slot {injected.slot}": v.slot_idx != injected.slot,
-            f"expected request {injected.rid}": rid != injected.rid,
-            f"expected DP rank {injected.rank}": (device[0] if device else 0) != injected.rank,
-        }
-        note = "; ".join(k for k, bad in problems.items() if bad)
-        ok = not note
+        expected = testing.expected_detection(fault)[:2] if fault is not None else None
+        ok, note = judge(first, rid, injected, expected, rank=device[0] if device else 0)
     return EngineRun(
         fault="none" if fault is None else fault.value,
         steps=sched.step,

@@ -105,6 +105,26 @@ def test_chain_golden_through_canary_write():
         assert testing.chain_hash(recs[s - 1][2], recs[s - 1][0], recs[s - 1][1]) == recs[s][2]
 
 
+def test_chain_golden_survives_slot_remapping():
+    """The golden chain snapshot from slots 1..5 and restored into scattered slots: same bytes, verified clean, and
+    the next token written after the new last slot chains exactly as after the old one (no field names a slot)."""
+    plan, ids, pos, loc = write_batch([(-1, [(s, 101 * s, s - 1) for s in range(1, 6)])])
+    buf, _ = jit_write(new_state(), new_buf(), plan, ids, pos, loc, tag=TAG_HEAD, backend="xla")
+    new_slots = [40, 7, 33, 12, 50]
+    snap = kc.snapshot_records(buf, jnp.arange(1, 6, dtype=jnp.int32))
+    moved, state = jax.jit(kc.restore_and_verify, static_argnames=("tag",))(
+        new_state(), new_buf(), snap, jnp.asarray(new_slots, jnp.int32), jnp.asarray([-1, *new_slots[:4]], jnp.int32),
+        jnp.arange(5, dtype=jnp.int32), tag=TAG_HEAD,
+    )  # fmt: skip
+    assert not kc.read_violations(state.violation_log).is_errored
+    assert [records(moved)[s][2] for s in new_slots] == CHAIN_GOLDEN
+    after = {}
+    for name, (b, prev) in {"old": (buf, 5), "new": (moved, 50)}.items():
+        plan, ids, pos, loc = write_batch([(prev, [(60, 606, 5)])])
+        after[name] = records(jit_write(new_state(), b, plan, ids, pos, loc, tag=TAG_HEAD, backend="xla")[0])[60]
+    assert after["old"] == after["new"] == [606, 5, testing.chain_hash(CHAIN_GOLDEN[4], 505, 4), 0]
+
+
 def test_real_kv_golden_host():
     assert testing.fold_bytes(REAL_KV_BYTES) == REAL_KV_ONE_SOURCE_GOLDEN
     assert testing.fold_sources([REAL_KV_BYTES]) == REAL_KV_GOLDEN

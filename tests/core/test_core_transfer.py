@@ -66,6 +66,18 @@ def test_remapped_records_keep_their_chain_hash_and_verify_clean():
     assert all(got[s] == [0] * 4 for s in range(len(got)) if s not in NEW)
 
 
+def test_restore_records_stores_unchecked_and_skips_padding():
+    recs, _, _ = _written()
+    snap = kc.snapshot_records(buf_from_records(recs), i32(OLD))
+    got = records(jax.jit(kc.restore_records)(new_buf(), snap, i32([20, 0, 22])))
+    assert (got[20], got[22]) == (recs[5], recs[7])  # the padding entry's record (slot 6's) went nowhere
+    assert all(got[s] == [0] * 4 for s in range(len(got)) if s not in (20, 22))
+    with pytest.raises(ValueError, match=r"slots\[0\] = 64 is out of range"):
+        kc.restore_records(new_buf(), snap[:1], i32([64]))
+    with pytest.raises(ValueError, match=r"records"):
+        kc.restore_records(new_buf(), snap, i32([20]))
+
+
 @pytest.mark.parametrize(
     "fault, slot, reason",
     [

@@ -83,3 +83,8 @@ def test_demo_processes_needs_devices_and_two_processes(capsys):
     assert "--processes P needs --devices D" in capsys.readouterr().out
     with pytest.raises(ValueError, match=r"--processes must be >= 2 and --devices >= 1; got processes=1, devices=2"):
         cli_main.main(["demo", "--processes", "1", "--devices", "2"])
+
+
+def test_demo_hicache_needs_the_sglang_jax_engine(capsys):
+    assert cli_main.main(["demo", "--hicache"]) == 2
+    assert "--hicache needs --engine sglang-jax" in capsys.readouterr().out
