@@ -26,8 +26,10 @@ _MAX_RESIDENT = 4 << 30
 _LONG_MODULES = (
     "tests/sharded/test_sharding_subprocess.py",
     "tests/integrations/test_sglang_jax_serve.py",
+    "tests/integrations/test_sglang_jax_parallel.py",
     "tests/sharded/test_multiprocess.py",
     "tests/integrations/test_sglang_jax_engine.py",
+    "tests/integrations/test_sglang_hicache.py",
     "tests/runtime/test_runner_soak.py",
     "tests/integrations/test_sglang_adopt.py",
 )
