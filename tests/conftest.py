@@ -20,18 +20,23 @@ _MAX_WORKERS = 4  # each worker holds its own compiled steps (2-3 GB late in a r
 # Past this share of ``vm.max_map_count``, or this many resident bytes, a module's end frees every compiled executable.
 _MAX_MAP_SHARE = 0.5
 _MAX_RESIDENT = 4 << 30
-# The modules that take longest (subprocesses, servers, the engine), longest first. They start first, so that the
-# short modules fill both workers at the end; in xdist's default order (most tests first) they came last, and a
-# worker ran one alone for minutes while the other had nothing left.
+# The modules that take longest, longest first (measured: the sglang-jax leg's `--junitxml` times, summed per module;
+# parallel and HiCache, newer, beside the engine's). They start first, so that the short modules fill both workers at
+# the end; in xdist's default order (most tests first) the one-test subprocess modules came last, and a worker ran one
+# alone for minutes while the other had nothing left.
 _LONG_MODULES = (
-    "tests/sharded/test_sharding_subprocess.py",
-    "tests/integrations/test_sglang_jax_serve.py",
-    "tests/integrations/test_sglang_jax_parallel.py",
-    "tests/sharded/test_multiprocess.py",
+    "tests/pallas_kernels/test_phase_kernel.py",
     "tests/integrations/test_sglang_jax_engine.py",
+    "tests/integrations/test_sglang_jax_parallel.py",
     "tests/integrations/test_sglang_hicache.py",
+    "tests/integrations/test_sglang_jax_serve.py",
+    "tests/runtime/test_runner_api.py",
+    "tests/pallas_kernels/test_batch_checks.py",
+    "tests/runtime/test_monitor.py",
+    "tests/test_readme.py",
+    "tests/sharded/test_sharding_subprocess.py",
     "tests/runtime/test_runner_soak.py",
-    "tests/integrations/test_sglang_adopt.py",
+    "tests/sharded/test_multiprocess.py",
 )
 _made_cache_dir: list[str] = []  # the folder this process made (the xdist controller, or a run without xdist)
 
