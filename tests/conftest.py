@@ -1,5 +1,6 @@
 """Shared pytest set-up: the package's own pytest plugin (the ``kvcanary_guard`` fixture) for every test, jax's
-persistent compilation cache for the run, and compiled executables freed before the process runs out of memory maps.
+persistent compilation cache for the run, the longest modules first, and compiled executables freed before the
+process runs out of memory maps.
 """
 
 import gc
@@ -19,6 +20,24 @@ _MAX_WORKERS = 4  # each worker holds its own compiled steps (2-3 GB late in a r
 # Past this share of ``vm.max_map_count``, or this many resident bytes, a module's end frees every compiled executable.
 _MAX_MAP_SHARE = 0.5
 _MAX_RESIDENT = 4 << 30
+# The modules that take longest, longest first (measured: the sglang-jax leg's `--junitxml` times, summed per module;
+# parallel and HiCache, newer, beside the engine's). They start first, so that the short modules fill both workers at
+# the end; in xdist's default order (most tests first) the one-test subprocess modules came last, and a worker ran one
+# alone for minutes while the other had nothing left.
+_LONG_MODULES = (
+    "tests/pallas_kernels/test_phase_kernel.py",
+    "tests/integrations/test_sglang_jax_engine.py",
+    "tests/integrations/test_sglang_jax_parallel.py",
+    "tests/integrations/test_sglang_hicache.py",
+    "tests/integrations/test_sglang_jax_serve.py",
+    "tests/runtime/test_runner_api.py",
+    "tests/pallas_kernels/test_batch_checks.py",
+    "tests/runtime/test_monitor.py",
+    "tests/test_readme.py",
+    "tests/sharded/test_sharding_subprocess.py",
+    "tests/runtime/test_runner_soak.py",
+    "tests/sharded/test_multiprocess.py",
+)
 _made_cache_dir: list[str] = []  # the folder this process made (the xdist controller, or a run without xdist)
 
 
@@ -51,6 +70,13 @@ def pytest_configure(config: pytest.Config) -> None:
 def pytest_unconfigure(config: pytest.Config) -> None:
     for path in _made_cache_dir:
         shutil.rmtree(path, ignore_errors=True)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Puts ``_LONG_MODULES`` first, in that order, the others after them in collection order. xdist hands whole
+    modules out in this order (pyproject's addopts: ``--dist loadfile --no-loadscope-reorder``)."""
+    rank = {module: i for i, module in enumerate(_LONG_MODULES)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::", 1)[0], len(rank)))
 
 
 def _near_limits() -> bool:
