@@ -2,16 +2,14 @@
 
 Each op is a launch (:func:`verify_launch` / :func:`write_launch`: run the op, leaving the state alone) plus
 :func:`commit` (append its rows, bump its counters). The runner runs a whole phase at once instead
-(:func:`fused_phase`, the lower layer's ``phase`` op: plans, both halves' verify and write, rows and counters in
-three launches); where that op has no kernels (Mosaic on TPU) it calls the halves itself, so that all launches of
-one phase share one prefix sum and one ring update (:func:`apply`). The ring bytes are the same every way. The
-public ops check what only this layer knows (state, tag, plan type, the token pool) and parse the real-KV mode;
-``pallas_kernels`` checks its own arrays, sources and backend.
+(:func:`fused_phase`, the lower layer's ``phase`` op: plans, both halves' verify and write, rows and counters, on
+every backend); the ring bytes are the same either way. The public ops check what only this layer knows (state,
+tag, plan type, the token pool) and parse the real-KV mode; ``pallas_kernels`` checks its own arrays, sources and
+backend.
 """
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 from collections.abc import Callable, Sequence
 
@@ -96,26 +94,15 @@ def _bump(counters: jax.Array, increments: dict[int, jax.Array]) -> jax.Array:
     return hash64.join(hash64.add(hash64.split(counters), (add, jnp.zeros_like(add))))
 
 
-def apply(
-    state: CanaryDeviceState, pending: Sequence[_ring.PendingRows], launches: Sequence[Launch]
-) -> CanaryDeviceState:
-    """Places the launches' pending rows in the ring (in the order given) and bumps their counters."""
-    kernels, slots = collections.Counter(), collections.defaultdict(lambda: jnp.int32(0))
-    for launch in launches:
-        kernels[launch.tag] += 1
-        slots[launch.tag] = slots[launch.tag] + launch.entries
-    return dataclasses.replace(
-        state,
-        violation_log=_ring.place(state.violation_log, pending),
-        kernel_run_counters=_bump(state.kernel_run_counters, {t: jnp.int32(n) for t, n in kernels.items()}),
-        slot_run_counters=_bump(state.slot_run_counters, dict(slots)),
-    )
-
-
 def commit(state: CanaryDeviceState, launch: Launch) -> CanaryDeviceState:
     """Appends one launch's rows and bumps its counters."""
     pending = pending_rows([(launch.flags, launch.build_rows)], state.violation_log.ring_capacity)
-    return apply(state, pending, [launch])
+    return dataclasses.replace(
+        state,
+        violation_log=_ring.place(state.violation_log, pending),
+        kernel_run_counters=_bump(state.kernel_run_counters, {launch.tag: jnp.int32(1)}),
+        slot_run_counters=_bump(state.slot_run_counters, {launch.tag: launch.entries}),
+    )
 
 
 def verify_launch(
@@ -127,12 +114,8 @@ def verify_launch(
     real_kv_hash_mode: RealKvHashMode,
     check_expected_token: bool,
     backend: str,
-    entry_requests: jax.Array | None = None,
 ) -> Launch:
-    """:func:`canary_verify`'s launch, from already checked arguments: its fail bits, row builder and count.
-
-    ``entry_requests`` (i32[2, capacity]: each entry's request row and batch row) feeds the rows' context.
-    """
+    """:func:`canary_verify`'s launch, from already checked arguments: its fail bits, row builder and count."""
     capacity = np.shape(plan.slot_indices)[0]  # the array itself is checked by pallas_kernels
     active = jnp.where(plan.enable[0] != 0, jnp.clip(plan.num_valid[0], 0, capacity), 0)
     bits = verify_api.verify(
@@ -153,10 +136,7 @@ def verify_launch(
         token, position, prev_hash, _ = records.load(canary_buf, slot)
         expected_chain = hash64.where(prev != 0, records.slot_hash(canary_buf, prev), prev_hash)
         expected_token = plan.expected_tokens[entry] if check_expected_token else jnp.full_like(entry, -1)
-        if entry_requests is None:
-            request = batch_row = jnp.full_like(entry, -1)
-        else:
-            request, batch_row = entry_requests[0, entry], entry_requests[1, entry]
+        none = jnp.full_like(entry, -1)  # no batch: no request row, no batch entry
         rows = _ring.pack_row(
             [
                 hash64.const(tag, entry),
@@ -169,7 +149,7 @@ def verify_launch(
                 hash64.from_i32(bits[entry]),
             ]
         )
-        return rows, _ring.context(request, plan.expected_positions[entry], batch_row)
+        return rows, _ring.context(none, plan.expected_positions[entry], none)
 
     return Launch(tag, bits != 0, build_rows, active)
 
@@ -188,13 +168,12 @@ def write_launch(
     expected_inputs: tuple[jax.Array, jax.Array] | None,
     backend: str,
     store_after: jax.Array,
-    req_pool_indices: jax.Array | None = None,
 ) -> tuple[jax.Array, Launch]:
     """:func:`canary_write`'s new buffer and launch, from already checked arguments.
 
     ``expected_inputs`` is ``(tokens, positions)`` of the input assert, or None. ``store_after`` is a traced int32
     zero (:func:`kvcanary_jax.core._ring.after`) that orders the in-place store after rows already gathered from
-    this buffer. ``req_pool_indices`` (i32[bs]), when given, names each row's request in the rows' context.
+    this buffer.
     """
     new_buf, chain = write_api.write(
         canary_buf,
@@ -227,10 +206,7 @@ def write_launch(
             input_aux = hash64.from_i32(expected_positions[i])
         aux = hash64.where(is_chain_row, hash64.split(chain.expected_position[i]), input_aux)
         bits = jnp.where(is_chain_row, layout.FAIL_WRITE_POSITION, input_bits[i])
-        request = jnp.full_like(entry, -1)
-        if req_pool_indices is not None:
-            batch_row = jnp.searchsorted(plan.write_offsets[1:], i, side="right", method="compare_all")
-            request = req_pool_indices[jnp.minimum(batch_row, req_pool_indices.shape[0] - 1)]
+        request = jnp.full_like(entry, -1)  # no batch: no request row
         rows = _ring.pack_row(
             [
                 hash64.const(tag, entry),
@@ -271,7 +247,7 @@ def fused_phase(
     ``req_to_token`` values. With ``skip_bad_requests``, rows that are not requests and requests with a slot the
     group cannot store write nothing.
 
-    Same effects as the per-launch ops in SGLang's order (verify K, write K, verify V, write V): the ring, index,
+    Same effects as the public single ops run in SGLang's order (verify K, write K, verify V, write V): the ring, index,
     counters and buffers are byte-identical. Returns ``(device, buffers, verify_overflows)``: the i32[1] count
     given, +1 when the verify plan overflowed its capacity (saturating); None when none was given.
     """

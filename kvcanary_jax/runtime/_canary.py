@@ -20,15 +20,13 @@ Usage inside the user's step (donate the KV cache and the canary state)::
 from __future__ import annotations
 
 import dataclasses
-import functools
 import zlib
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 
-from kvcanary_jax.core import _ops, _plans, _ring
+from kvcanary_jax.core import _ops
 from kvcanary_jax.core._config import CanaryConfig
 from kvcanary_jax.core._constants import CanaryLaunchTag, Half, Phase, RealKvHashMode
 from kvcanary_jax.core._state import CanaryDeviceState, allocate_canary_buffer
@@ -37,7 +35,6 @@ from kvcanary_jax.runtime._batch import CanaryBatch, CanaryState
 from pallas_kernels import checks, mesh, realkv
 from pallas_kernels.batch_checks import api as batch_checks
 from pallas_kernels.phase import api as phase_api
-from pallas_kernels.phase import common as phase_common
 
 _REQUIRED_FIELDS = (
     "req_pool_indices", "prefix_lens", "extend_lens", "req_to_token", "input_ids", "positions", "out_cache_loc",
@@ -316,21 +313,14 @@ class KvCanary:
         device = state.device
         if plan.issues is not None:  # before the launches, as the HEAD's input rows
             tag = self.groups[0].tag(Phase.SWEEP, Half.K)
-            flags, build_rows = _inputs.Issues.unstacked(plan.issues).launch_rows(tag)
-            device = dataclasses.replace(device, violation_log=_ops.append(device.violation_log, flags, build_rows))
+            device = _inputs.Issues.unstacked(plan.issues).append(device, tag)
         for g in self.groups:
             group_plan = getattr(plan, g.name)
             if group_plan is None:
                 raise ValueError(f"the sweep plan has no {g.name.upper()} plan but the pool has that group")
             for half in self.halves:
                 launch = self._verify(
-                    state.buffers(g).buffer(Phase.SWEEP, half),
-                    group_plan,
-                    g,
-                    Phase.SWEEP,
-                    half,
-                    kv_cache_sources,
-                    check_expected_token=False,
+                    state.buffers(g).buffer(Phase.SWEEP, half), group_plan, g, Phase.SWEEP, half, kv_cache_sources
                 )
                 device = _ops.commit(device, launch)
         return dataclasses.replace(state, device=device)
@@ -381,7 +371,8 @@ class KvCanary:
         group_buffers = state.buffers(g)
         for (p, h), buf in zip(keys, buffers, strict=True):
             group_buffers = group_buffers.with_buffer(p, h, buf)
-        return self._append_issues(dataclasses.replace(state, **{g.name: group_buffers}), issues, g)
+        device = issues.append(state.device, g.tag(Phase.HEAD, Half.K))  # no launch of SGLang's: no counter moves
+        return dataclasses.replace(state, device=device, **{g.name: group_buffers})
 
     # -- one phase of one group ------------------------------------------------------------------------------------
 
@@ -397,40 +388,15 @@ class KvCanary:
         """A HEAD or TAIL phase of group ``g``: verify each half's cached slots, then write this step's records.
 
         Its effects are SGLang's launch sequence (verify K, write K, verify V, write V), after the HEAD's
-        ``INVALID_INPUT`` rows. The lower layer's fused ``phase`` op runs it in three kernels on GPU (plans built
-        in-kernel, K and V together, rows placed by the kernels), and as its jnp reference elsewhere; on TPU, which
-        has Mosaic kernels for the single ops only, it is :meth:`_per_launch_phase`. The bytes are the same.
+        ``INVALID_INPUT`` rows (the batch checks' of this group, then the table's), through the lower layer's
+        ``phase`` op on every backend. It skips the requests the checks reject (``skip_bad_requests``) and counts
+        the HEAD's verify overflow.
         """
-        issues = None
-        if phase is Phase.HEAD:
-            issues = _inputs.group_issues(
-                batch, rows, window=g.window, num_slots=g.num_slots, full_num_slots=self.pool.num_slots
-            )
-        kwargs = dict(batch=batch, rows=rows, g=g, phase=phase, sources=sources, issues=issues)
-        fused = functools.partial(self._fused_phase, **kwargs)
-        per_launch = functools.partial(self._per_launch_phase, **kwargs)
-        backend = self.config.backend
-        if backend == "interpret_tpu":
-            return per_launch(state)
-        if backend in ("xla", "interpret"):
-            return fused(state)
-        # "pallas" and "auto" choose by the platform lowered for, as the ops do: XLA lowers only that branch.
-        return lax.platform_dependent(state, cuda=fused, rocm=fused, tpu=per_launch, default=fused)
-
-    @staticmethod
-    def _append_issues(state: CanaryState, issues: _inputs.Issues, g: _pool.Group) -> CanaryState:
-        """Appends ``INVALID_INPUT`` rows (no launch of SGLang's: no counter moves)."""
-        flags, build_rows = issues.launch_rows(g.tag(Phase.HEAD, Half.K))
-        log = _ops.append(state.device.violation_log, flags, build_rows)
-        return dataclasses.replace(state, device=dataclasses.replace(state.device, violation_log=log))
-
-    def _fused_phase(self, state: CanaryState, *, batch, rows, g, phase, sources, issues) -> CanaryState:
-        """:meth:`_forward_phase` through the lower layer's fused ``phase`` op: it places ``issues``' rows and the
-        table's first (on the HEAD), skips the requests the checks reject (``skip_bad_requests``, as
-        :func:`_inputs.request_slots` does for the per-launch path) and counts the HEAD's verify overflow."""
+        head = phase is Phase.HEAD
         check_token = self.config.enable_verify_token_assert
         expected = self._expected_inputs(batch) or (None, None)
-        fused_batch = phase_api.Batch(
+        token_pool = state.device.req_to_verify_expected_tokens if check_token else None
+        phase_batch = phase_api.Batch(
             req_pool_indices=batch.req_pool_indices,
             prefix_lens=batch.prefix_lens,
             extend_lens=batch.extend_lens,
@@ -439,21 +405,18 @@ class KvCanary:
             positions=batch.positions,
             out_cache_loc=batch.out_cache_loc,
             full_to_swa_index_mapping=batch.full_to_swa_index_mapping if g.window else None,
-            token_pool=state.device.req_to_verify_expected_tokens if check_token else None,
-            token_pool_lens=(
-                _inputs.token_history_lens(batch, state.device.req_to_verify_expected_tokens) if check_token else None
-            ),
+            token_pool=token_pool,
+            token_pool_lens=None if token_pool is None else jnp.clip(batch.token_ids_lens, 0, token_pool.shape[1]),
             expected_input_ids=expected[0],
             expected_input_positions=expected[1],
             active=rows.active,
             span_lens=rows.span_lens,
         )
         buffers = state.buffers(g)
-        head = phase is Phase.HEAD
         device, new_buffers, overflows = _ops.fused_phase(
             state.device,
             tuple(buffers.buffer(phase, h) for h in self.halves),
-            fused_batch,
+            phase_batch,
             tags=tuple(int(g.tag(phase, h)) for h in self.halves),
             real_kv_sources=tuple(sources.get(g, h) for h in self.halves),
             real_kv_hash_mode=self.config.real_kv_hash_mode,
@@ -463,7 +426,7 @@ class KvCanary:
             full_slots=self.pool.num_slots,
             check_table=head,
             skip_bad_requests=True,
-            input_issues=issues,
+            input_issues=(rows.swa_issues if g.window else rows.issues) if head else None,
             # Only the HEAD phase counts overflows: the TAIL phase rebuilds the identical plan.
             verify_overflows=state.verify_overflows if head else None,
             backend=self.config.backend,
@@ -471,53 +434,6 @@ class KvCanary:
         for h, buf in zip(self.halves, new_buffers, strict=True):
             buffers = buffers.with_buffer(phase, h, buf)
         overflows = overflows if head else state.verify_overflows
-        return dataclasses.replace(state, device=device, verify_overflows=overflows, **{g.name: buffers})
-
-    def _per_launch_phase(self, state: CanaryState, *, batch, rows, g, phase, sources, issues) -> CanaryState:
-        """:meth:`_forward_phase` from the single verify and write ops (the TPU's path: Mosaic kernels).
-
-        Every verify reads its buffer before any write of the phase; their rows come out of one prefix sum and are
-        gathered before the in-place stores, and all rows land in the ring at once, in SGLang's launch order.
-        """
-        checked = self._group(state, batch, rows, g)
-        if issues is not None:  # the HEAD's INVALID_INPUT rows: the rows' and tokens', then the table's
-            state = self._append_issues(
-                state, _inputs.Issues.concat([_inputs.Issues.unstacked(issues), checked.table_issues]), g
-            )
-        buffers, capacity = state.buffers(g), state.device.violation_log.ring_capacity
-        check_token = self.config.enable_verify_token_assert
-        verifies = [
-            self._verify(buffers.buffer(phase, h), checked, g, phase, h, sources, check_expected_token=check_token)
-            for h in self.halves
-        ]
-        verify_rows = _ops.pending_rows([(v.flags, v.build_rows) for v in verifies], capacity)
-        store_after = _ring.after(*(p.rows for p in verify_rows))
-        writes = []
-        for h in self.halves:
-            buf, launch = _ops.write_launch(
-                buffers.buffer(phase, h),
-                checked.write_plan,
-                batch.input_ids,
-                batch.positions,
-                checked.out_cache_loc,
-                state.device.enable_chain_position_assert,
-                tag=g.tag(phase, h),
-                real_kv_sources=sources.get(g, h),
-                real_kv_hash_mode=self.config.real_kv_hash_mode,
-                expected_inputs=self._expected_inputs(batch),
-                backend=self.config.backend,
-                store_after=store_after,
-                req_pool_indices=batch.req_pool_indices,
-            )
-            buffers = buffers.with_buffer(phase, h, buf)
-            writes.append(launch)
-        write_rows = _ops.pending_rows([(w.flags, w.build_rows) for w in writes], capacity)
-        in_launch_order = [p for pair in zip(verify_rows, write_rows, strict=True) for p in pair]
-        launches = [x for pair in zip(verifies, writes, strict=True) for x in pair]
-        device = _ops.apply(state.device, in_launch_order, launches)
-        overflows = state.verify_overflows
-        if phase is Phase.HEAD:  # only the HEAD phase counts overflows: the TAIL phase rebuilds the identical plan
-            overflows = phase_common.count_overflow(overflows, checked.verify_plan.enable == 0)
         return dataclasses.replace(state, device=device, verify_overflows=overflows, **{g.name: buffers})
 
     def _rows(self, state: CanaryState, batch: CanaryBatch) -> batch_checks.Checked:
@@ -529,38 +445,20 @@ class KvCanary:
             context_len=batch.req_to_token.shape[1],
             num_slots=self.pool.num_slots,
             token_ids_width=token_pool.shape[1] if self.config.enable_verify_token_assert else None,
+            swa_num_slots=None if self.pool.swa is None else self.pool.swa.num_slots,
             backend=self.config.backend,
         )
 
-    def _group(
-        self, state: CanaryState, batch: CanaryBatch, rows: batch_checks.Checked, g: _pool.Group
-    ) -> _inputs.Group:
-        token_pool = state.device.req_to_verify_expected_tokens if self.config.enable_verify_token_assert else None
-        return _inputs.check_group(
-            batch,
-            rows,
-            window=g.window,
-            num_slots=g.num_slots,
-            full_num_slots=self.pool.num_slots,
-            verify_capacity=g.verify_capacity,
-            token_pool=token_pool,
-            token_offset=self.pool.kv_token_id_vs_position_offset,
-        )
-
-    def _verify(self, buf, checked, g, phase, half, sources, *, check_expected_token) -> _ops.Launch:
-        """A verify launch of a :class:`_inputs.Group` (forward phases) or a bare :class:`VerifyPlan` (sweeps)."""
-        plan, entry_requests = (
-            (checked, None) if isinstance(checked, _plans.VerifyPlan) else (checked.verify_plan, checked.entry_requests)
-        )
+    def _verify(self, buf, plan, g, phase, half, sources) -> _ops.Launch:
+        """A sweep's verify launch of one half."""
         return _ops.verify_launch(
             buf,
             plan,
             tag=g.tag(phase, half),
             real_kv_sources=sources.get(g, half),
             real_kv_hash_mode=self.config.real_kv_hash_mode,
-            check_expected_token=check_expected_token,
+            check_expected_token=False,
             backend=self.config.backend,
-            entry_requests=entry_requests,
         )
 
     def _expected_inputs(self, batch: CanaryBatch) -> tuple[jax.Array, jax.Array] | None:

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 
 from pallas_kernels import backend as backends
 from pallas_kernels import checks, layout, realkv
-from pallas_kernels.phase import common, pallas_triton, reference
+from pallas_kernels.phase import common, pallas_mosaic, pallas_triton, reference
 
 Batch = common.Batch
 Log = common.Log
@@ -125,16 +125,16 @@ def phase(
       input_issues: i32[8, n] ``INVALID_INPUT`` candidates the caller checked itself, one per column (rows
         ``common.INPUT_ISSUE_FIELDS``: problem, 0 for none; field; value; limit; slot; position; batch entry;
         request row), placed first, in column order, tagged ``tags[0]``; None: none.
-      backend: ``"xla"`` (``reference``), ``"pallas"`` (the Triton kernels on GPU), ``"interpret"`` (them,
-        interpreted) or ``"auto"`` (the Triton kernels on GPU, else ``"xla"``). There are no Mosaic kernels:
-        ``"pallas"`` lowered for TPU and ``"interpret_tpu"`` raise (the runner uses the per-launch ops there).
+      backend: ``"xla"`` (``reference``), ``"pallas"`` (the Triton kernels on GPU, ``pallas_mosaic`` on TPU),
+        ``"interpret"`` / ``"interpret_tpu"`` (those, interpreted) or ``"auto"`` (``"pallas"`` on GPU and TPU,
+        else ``"xla"``).
 
     Returns:
       ``(buffers, log, enable)``: new buffers, new log, and i32[1] 0 when the verify plan overflowed.
 
     Raises:
       ValueError, TypeError: for a wrong shape, dtype or static argument, naming it.
-      NotImplementedError: for a backend without a fused phase on the platform it is lowered for.
+      NotImplementedError: ``"pallas"`` lowered for a platform other than GPU or TPU.
     """
     buffers = tuple(buffers) if isinstance(buffers, (tuple, list)) else buffers
     if not isinstance(buffers, tuple) or len(buffers) not in (1, 2):
@@ -193,10 +193,11 @@ def phase(
     def xla(buffers, log, batch, cpa, sources, issues):
         return reference.phase(buffers, log, batch, cpa, real_kv_sources=sources, input_issues=issues, **static)
 
-    def triton(buffers, log, batch, cpa, sources, issues, *, interpret):
-        return pallas_triton.phase(
-            buffers, log, batch, cpa, sources, interpret=interpret, input_issues=issues, **static
-        )
+    def kernels(module):  # pallas_triton or pallas_mosaic: the same contract
+        def run(buffers, log, batch, cpa, sources, issues, *, interpret):
+            return module.phase(buffers, log, batch, cpa, sources, interpret=interpret, input_issues=issues, **static)
 
-    run = backends.dispatch(backend, xla=xla, triton=triton, mosaic=None)
+        return run
+
+    run = backends.dispatch(backend, xla=xla, triton=kernels(pallas_triton), mosaic=kernels(pallas_mosaic))
     return run(buffers, log, batch, enable_chain_position_assert, real_kv_sources, input_issues)

@@ -1,6 +1,6 @@
 """Fused phase kernels (Pallas Triton): one phase of a group (K and V together) in three launches.
 
-The per-launch path pays ~50 small kernels per decode step (plan build, prefix sums, row gathers, appends, counter
+The single ops pay ~50 small kernels per decode step (plan build, prefix sums, row gathers, appends, counter
 bumps; ``benchmarks/RESULTS.md``). Here a phase is:
 
   * ``kvcanary_phase_check``: programs ``[0, R)`` walk one request's write chain each (K and V side by side; the
@@ -13,7 +13,7 @@ bumps; ``benchmarks/RESULTS.md``). Here a phase is:
   * ``kvcanary_phase_ring``: every verify block or request with flags recomputes its entries (the same plan and
     check code) and writes its rows straight into the ring at ``index + rank``; the rank is the flag counts of the
     launches and programs before it (SGLang's order: verify K, write K, verify V, write V; plan-entry order within
-    a launch), so the ring is byte-identical to the per-launch path. The ``INVALID_INPUT`` rows come first: program
+    a launch), so the ring is byte-identical to the single launches'. The ``INVALID_INPUT`` rows come first: program
     0 places the caller's ``input_issues``, then every block with table issues places theirs. Clean programs only
     read their counts and exit. Program 0 also advances the write index and bumps the counters (and the
     verify-overflow count).

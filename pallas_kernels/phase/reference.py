@@ -12,7 +12,6 @@ references; the Triton kernels of ``pallas_triton`` must give the same bytes.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -290,6 +289,95 @@ def _write_rows(batch: common.Batch, plan: Plan, loc, chain, input_bits, entries
     return rows, common.row_context(batch.req_pool_indices[batch_row], lax.bitcast_convert_type(aux[0], jnp.int32), i)
 
 
+class Prepared(NamedTuple):
+    """What every backend's phase starts from (:func:`prepare`)."""
+
+    batch: common.Batch  # padded to one token at least, with its rows' roles
+    plan: Plan
+    loc: jax.Array  # i32[T] each token's slot in the group; -1 where it is skipped
+    pending: list  # the INVALID_INPUT rows, ``(count, rows, context)`` per set, placed before the launches'
+
+
+def prepare(
+    buffers: Sequence[jax.Array],
+    log: common.Log,
+    batch: common.Batch,
+    *,
+    tags: Sequence[int],
+    verify_capacity: int,
+    window: int,
+    token_offset: int,
+    full_slots: int | None,
+    check_table: bool,
+    skip_bad_requests: bool,
+    input_issues: jax.Array | None,
+) -> Prepared:
+    """The plan, the written slots and the ``INVALID_INPUT`` rows of a phase (arguments as in :func:`phase`)."""
+    batch = common.with_roles(common.pad_tokens(batch))  # the write chain needs at least one token
+    group_slots = buffers[0].shape[0]
+    full_slots = full_slots or group_slots
+    plan = build_plan(
+        batch,
+        capacity=verify_capacity,
+        window=window,
+        token_offset=token_offset,
+        full_slots=full_slots,
+        group_slots=group_slots,
+    )
+    gather_lut, lut_size = common.lut_reader(batch.full_to_swa_index_mapping)
+    loc = batch.out_cache_loc
+    if skip_bad_requests:
+        loc = skip_rejected_requests(
+            batch, plan.write_offsets, gather_lut, lut_size, full_slots=full_slots, group_slots=group_slots
+        )
+    loc = common.write_slots(loc, gather_lut, lut_size, group_slots)
+    capacity, pending = log.ring.shape[0], []
+    if input_issues is not None:
+        count, entries = first_flagged(input_issues[0] != 0, capacity)
+        pending.append((count, *_input_issue_rows(input_issues, entries, tags[0])))
+    if check_table:
+        count, entries = first_flagged(plan.table_problems != 0, capacity)
+        pending.append((count, *_table_rows(batch, plan, entries, tags[0], group_slots)))
+    return Prepared(batch, plan, loc, pending)
+
+
+def verify_rows(p: Prepared, loaded: Loaded, bits: jax.Array, tag: int, check: bool, capacity: int):
+    """``(count, rows, context)`` of one half's verify launch, from its ``loaded`` records and fail ``bits``;
+    materialised behind a barrier, so that XLA does not fuse the row gathers into the ring update, after the
+    store."""
+    count, entries = first_flagged(bits != 0, capacity)
+    return lax.optimization_barrier((count, *_verify_rows(p.batch, p.plan, loaded, bits, entries, tag, check)))
+
+
+def write_rows(p: Prepared, chain: write_reference.ChainOut, tag: int, capacity: int):
+    """``(count, rows, context)`` of one half's write launch, from its chain walk."""
+    input_bits = write_input_bits(p.batch, chain.written)
+    flags = jnp.stack([input_bits != 0, chain.position_assert_failed], axis=-1).reshape(-1)
+    count, entries = first_flagged(flags, capacity)
+    return (count, *_write_rows(p.batch, p.plan, p.loc, chain, input_bits, entries, tag))
+
+
+def finish(
+    log: common.Log, p: Prepared, pending: list, buffers: Sequence[jax.Array], written: jax.Array, tags: Sequence[int]
+) -> tuple[tuple[jax.Array, ...], common.Log, jax.Array]:
+    """Places the phase's rows in order and bumps its counters (a verify and a write per tag; ``written`` is a
+    half's bool[T] written tokens)."""
+    ring, context, write_index = place(log.ring, log.context, log.write_index, pending)
+    entries = p.plan.active + jnp.sum(written, dtype=jnp.int32)
+    overflows = log.verify_overflows
+    if overflows is not None:
+        overflows = common.count_overflow(overflows, p.plan.enable == 0)
+    new_log = common.Log(
+        ring=ring,
+        write_index=write_index,
+        kernel_run_counters=bump(log.kernel_run_counters, {tag: jnp.int32(2) for tag in tags}),
+        slot_run_counters=bump(log.slot_run_counters, {tag: entries for tag in tags}),
+        context=context,
+        verify_overflows=overflows,
+    )
+    return tuple(buffers), new_log, p.plan.enable
+
+
 def phase(
     buffers: Sequence[jax.Array],
     log: common.Log,
@@ -333,37 +421,21 @@ def phase(
     Returns:
       ``(buffers, log, enable)``: the new buffers and log, and i32[1] 0 when the verify plan overflowed.
     """
-    batch = common.with_roles(common.pad_tokens(batch))  # the write chain needs at least one token
-    group_slots = buffers[0].shape[0]
-    plan = build_plan(
+    p = prepare(
+        buffers,
+        log,
         batch,
-        capacity=verify_capacity,
+        tags=tags,
+        verify_capacity=verify_capacity,
         window=window,
         token_offset=token_offset,
-        full_slots=full_slots or group_slots,
-        group_slots=group_slots,
+        full_slots=full_slots,
+        check_table=check_table,
+        skip_bad_requests=skip_bad_requests,
+        input_issues=input_issues,
     )
-    check = batch.token_pool is not None
-    gather_lut, lut_size = common.lut_reader(batch.full_to_swa_index_mapping)
-    loc = batch.out_cache_loc
-    if skip_bad_requests:
-        loc = skip_rejected_requests(
-            batch,
-            plan.write_offsets,
-            gather_lut,
-            lut_size,
-            full_slots=full_slots or group_slots,
-            group_slots=group_slots,
-        )
-    loc = common.write_slots(loc, gather_lut, lut_size, group_slots)
-    capacity = log.ring.shape[0]
-    pending, new_buffers = [], []
-    if input_issues is not None:
-        count, entries = first_flagged(input_issues[0] != 0, capacity)
-        pending.append((count, *_input_issue_rows(input_issues, entries, tags[0])))
-    if check_table:
-        count, entries = first_flagged(plan.table_problems != 0, capacity)
-        pending.append((count, *_table_rows(batch, plan, entries, tags[0], group_slots)))
+    batch, plan, loc = p.batch, p.plan, p.loc
+    group_slots, capacity = buffers[0].shape[0], log.ring.shape[0]
     loaded = load_halves(buffers, plan)
     verify_kv, write_kv = fold_halves(real_kv_sources, plan, loc, real_kv_hash_mode, group_slots)
     bits = verify_reference.loaded_bits(
@@ -375,40 +447,16 @@ def phase(
         plan.expected_positions,
         plan.prev_slot_indices,
         plan.active,
-        check_expected_token=check,
+        check_expected_token=batch.token_pool is not None,
     )
     chains = walk_halves(loaded, plan, batch, loc, enable_chain_position_assert)
-    input_bits = write_input_bits(batch, chains.written)
-    write_flags = jnp.stack([input_bits != 0, chains.position_assert_failed], axis=-1).reshape(len(buffers), -1)
-    flagged = jax.vmap(functools.partial(first_flagged, capacity=capacity))  # every half's flags in one pass
-    verify_counts, verify_entries = flagged(bits != 0)
-    write_counts, write_entries = flagged(write_flags)
+    pending, new_buffers = list(p.pending), []
     for h, (buf, tag) in enumerate(zip(buffers, tags, strict=True)):
-        # Materialised behind a barrier: otherwise XLA fuses the row gathers into the ring update, after the store.
-        verify_rows, verify_context = lax.optimization_barrier(
-            _verify_rows(batch, plan, half(loaded, h), bits[h], verify_entries[h], tag, check)
-        )
-        pending.append((verify_counts[h], verify_rows, verify_context))
+        verify = verify_rows(p, half(loaded, h), bits[h], tag, batch.token_pool is not None, capacity)
         chain = half(chains, h)
-        write_rows = _write_rows(batch, plan, loc, chain, input_bits[h], write_entries[h], tag)
-        pending.append((write_counts[h], *write_rows))
-
-        target = loc + after(verify_rows)  # the store waits for the verify rows read from this buffer
-        real_kv = half(write_kv, h)
+        pending += [verify, write_rows(p, chain, tag, capacity)]
+        target = loc + after(verify[1])  # the store waits for the verify rows read from this buffer
         new_buffers.append(
-            store.store(buf, target, batch.input_ids, batch.positions, chain.prev_hash, real_kv, chain.written)
+            store.store(buf, target, batch.input_ids, batch.positions, chain.prev_hash, half(write_kv, h), chain.written)
         )
-    ring, context, write_index = place(log.ring, log.context, log.write_index, pending)
-    entries = plan.active + jnp.sum(chains.written[-1], dtype=jnp.int32)
-    overflows = log.verify_overflows
-    if overflows is not None:
-        overflows = common.count_overflow(overflows, plan.enable == 0)
-    new_log = common.Log(
-        ring=ring,
-        write_index=write_index,
-        kernel_run_counters=bump(log.kernel_run_counters, {tag: jnp.int32(2) for tag in tags}),
-        slot_run_counters=bump(log.slot_run_counters, {tag: entries for tag in tags}),
-        context=context,
-        verify_overflows=overflows,
-    )
-    return tuple(new_buffers), new_log, plan.enable
+    return finish(log, p, pending, new_buffers, chains.written[-1], tags)
