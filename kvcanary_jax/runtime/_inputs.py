@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from kvcanary_jax.core import _ops, _ring
 from kvcanary_jax.core._state import CanaryDeviceState
 from pallas_kernels.batch_checks import api as batch_checks
-from pallas_kernels.phase import common as phase_common
+from pallas_kernels.phase import api as phase_api
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,23 +53,23 @@ class Issues:
 
     @classmethod
     def unstacked(cls, issues: jax.Array) -> Issues:
-        """From an i32[8, n] array of candidates (rows ``phase.common.INPUT_ISSUE_FIELDS``), :meth:`stacked`'s."""
-        return cls(*(issues[f] for f in range(len(phase_common.INPUT_ISSUE_FIELDS))))
+        """From an i32[8, n] array of candidates (rows ``phase.api.INPUT_ISSUE_FIELDS``), :meth:`stacked`'s."""
+        return cls(*(issues[f] for f in range(len(phase_api.INPUT_ISSUE_FIELDS))))
 
     @staticmethod
     def concat(parts: list[Issues]) -> Issues:
         return Issues(*(jnp.concatenate([getattr(p, f.name) for p in parts]) for f in dataclasses.fields(Issues)))
 
     def stacked(self) -> jax.Array:
-        """i32[8, n]: the fields as the fused phase's ``input_issues`` (rows ``phase.common.INPUT_ISSUE_FIELDS``)."""
-        return jnp.stack([getattr(self, name) for name in phase_common.INPUT_ISSUE_FIELDS])
+        """i32[8, n]: the fields as the fused phase's ``input_issues`` (rows ``phase.api.INPUT_ISSUE_FIELDS``)."""
+        return jnp.stack([getattr(self, name) for name in phase_api.INPUT_ISSUE_FIELDS])
 
     def append(self, device: CanaryDeviceState, tag: int) -> CanaryDeviceState:
         """``device`` with a row tagged ``tag`` appended per flagged candidate, in order (no counter moves)."""
 
         def build_rows(entry):
             at = {f.name: getattr(self, f.name)[entry] for f in dataclasses.fields(Issues)}
-            rows = _ring.pack_row(phase_common.input_row(tag, **at))
+            rows = _ring.pack_row(phase_api.input_row(tag, **at))
             return rows, _ring.context(at["request"], at["position"], at["entry"])
 
         log = _ops.append(device.violation_log, self.problem != 0, build_rows)

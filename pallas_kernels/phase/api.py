@@ -13,6 +13,8 @@ from pallas_kernels.phase import common, pallas_mosaic, pallas_triton, reference
 
 Batch = common.Batch
 Log = common.Log
+INPUT_ISSUE_FIELDS = common.INPUT_ISSUE_FIELDS  # the rows of ``input_issues``
+input_row = common.input_row  # the eight fields of an INVALID_INPUT row, as the phase writes them
 
 
 def _check_batch(batch: Batch) -> tuple[int, int]:
