@@ -24,7 +24,7 @@ from kvcanary_jax.core._config import parse_real_kv_hash_mode
 from kvcanary_jax.core._constants import RealKvHashMode
 from kvcanary_jax.core._plans import VerifyPlan, WritePlan
 from kvcanary_jax.core._state import CanaryDeviceState, ViolationLog
-from pallas_kernels import checks, hash64, layout, mesh, realkv, records
+from pallas_kernels import checks, hash64, layout, mesh, realkv, records, ring
 from pallas_kernels.phase import api as phase_api
 from pallas_kernels.verify import api as verify_api
 from pallas_kernels.write import api as write_api
@@ -82,26 +82,14 @@ def append(log: ViolationLog, flags: jax.Array, build_rows: RowBuilder) -> Viola
     return _ring.scatter(log, flags, *build_rows(jnp.arange(num_flags, dtype=jnp.int32)))
 
 
-def _bump(counters: jax.Array, increments: dict[int, jax.Array]) -> jax.Array:
-    """``counters[tag] += amount`` per tag on u64 (lo, hi) counters; amounts are non-negative int32.
-
-    Elementwise over every tag (not one-row updates), so XLA fuses a step's bumps into one kernel.
-    """
-    tags = jnp.arange(counters.shape[0])
-    add = jnp.zeros(counters.shape[:1], jnp.uint32)
-    for tag, amount in increments.items():
-        add = add + jnp.where(tags == tag, amount.astype(jnp.uint32), jnp.uint32(0))
-    return hash64.join(hash64.add(hash64.split(counters), (add, jnp.zeros_like(add))))
-
-
 def commit(state: CanaryDeviceState, launch: Launch) -> CanaryDeviceState:
     """Appends one launch's rows and bumps its counters."""
     pending = pending_rows([(launch.flags, launch.build_rows)], state.violation_log.ring_capacity)
     return dataclasses.replace(
         state,
         violation_log=_ring.place(state.violation_log, pending),
-        kernel_run_counters=_bump(state.kernel_run_counters, {launch.tag: jnp.int32(1)}),
-        slot_run_counters=_bump(state.slot_run_counters, {launch.tag: launch.entries}),
+        kernel_run_counters=ring.bump(state.kernel_run_counters, {launch.tag: jnp.int32(1)}),
+        slot_run_counters=ring.bump(state.slot_run_counters, {launch.tag: launch.entries}),
     )
 
 
@@ -228,31 +216,24 @@ def fused_phase(
     device: CanaryDeviceState,
     buffers: tuple[jax.Array, ...],
     batch: phase_api.Batch,
+    spec: phase_api.PhaseSpec,
     *,
-    tags: tuple[int, ...],
     real_kv_sources: tuple[tuple[realkv.RealKvSource, ...], ...],
-    real_kv_hash_mode: RealKvHashMode,
-    verify_capacity: int,
-    window: int,
-    token_offset: int,
-    full_slots: int,
-    check_table: bool,
-    skip_bad_requests: bool,
     input_issues: jax.Array | None,
     verify_overflows: jax.Array | None,
     backend: str,
 ) -> tuple[CanaryDeviceState, tuple[jax.Array, ...], jax.Array | None]:
-    """One HEAD/TAIL phase of a group through the lower layer's fused ``phase`` op. Its ``INVALID_INPUT`` rows come
-    first: the caller's ``input_issues`` (i32[8, n]), then, with ``check_table``, the cached positions'
-    ``req_to_token`` values. With ``skip_bad_requests``, rows that are not requests and requests with a slot the
-    group cannot store write nothing.
+    """One HEAD/TAIL phase of a group through the lower layer's fused ``phase`` op (its static arguments:
+    ``spec``). Its ``INVALID_INPUT`` rows come first: the caller's ``input_issues`` (i32[8, n]), then, with
+    ``spec.check_table``, the cached positions' ``req_to_token`` values. With ``spec.skip_bad_requests``, rows
+    that are not requests and requests with a slot the group cannot store write nothing.
 
     Same effects as the public single ops run in SGLang's order (verify K, write K, verify V, write V): the ring, index,
     counters and buffers are byte-identical. Returns ``(device, buffers, verify_overflows)``: the i32[1] count
     given, +1 when the verify plan overflowed its capacity (saturating); None when none was given.
     """
     log = device.violation_log
-    new_buffers, out, _ = phase_api.phase(
+    new_buffers, out, _ = phase_api.run(
         buffers,
         phase_api.Log(
             log.violation_ring,
@@ -264,15 +245,8 @@ def fused_phase(
         ),
         batch,
         device.enable_chain_position_assert,
-        tags=tags,
+        spec,
         real_kv_sources=real_kv_sources,
-        real_kv_hash_mode=int(real_kv_hash_mode),
-        verify_capacity=verify_capacity,
-        window=window,
-        token_offset=token_offset,
-        full_slots=full_slots,
-        check_table=check_table,
-        skip_bad_requests=skip_bad_requests,
         input_issues=input_issues,
         backend=backend,
     )

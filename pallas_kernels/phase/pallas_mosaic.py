@@ -15,7 +15,7 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import realkv
+from pallas_kernels import realkv, ring
 from pallas_kernels.phase import common, reference
 from pallas_kernels.verify import pallas_mosaic as verify_kernels
 from pallas_kernels.write import pallas_mosaic as write_kernels
@@ -27,38 +27,19 @@ def phase(
     batch: common.Batch,
     enable_chain_position_assert: jax.Array,
     real_kv_sources: Sequence[Sequence[realkv.RealKvSource]],
-    *,
-    tags: tuple[int, ...],
-    real_kv_hash_mode: int,
-    verify_capacity: int,
-    window: int = 0,
-    token_offset: int = 0,
-    full_slots: int | None = None,
-    check_table: bool = False,
-    skip_bad_requests: bool = False,
     input_issues: jax.Array | None = None,
+    *,
+    spec: common.PhaseSpec,
     interpret: bool = False,
 ) -> tuple[tuple[jax.Array, ...], common.Log, jax.Array]:
     """Same contract as ``reference.phase``, with the Mosaic verify and write kernels (``interpret``: in TPU
     interpret mode, on any platform)."""
-    p = reference.prepare(
-        buffers,
-        log,
-        batch,
-        tags=tags,
-        verify_capacity=verify_capacity,
-        window=window,
-        token_offset=token_offset,
-        full_slots=full_slots,
-        check_table=check_table,
-        skip_bad_requests=skip_bad_requests,
-        input_issues=input_issues,
-    )
+    p = reference.prepare(buffers, log, batch, input_issues, spec)
     plan, check, capacity = p.plan, p.batch.token_pool is not None, log.ring.shape[0]
     loaded = reference.load_halves(buffers, plan)  # every record the rows read, before any store
     num_reqs = jnp.full((1,), p.batch.req_pool_indices.shape[0], jnp.int32)
     pending, new_buffers = list(p.pending), []
-    for h, (buf, tag, sources) in enumerate(zip(buffers, tags, real_kv_sources, strict=True)):
+    for h, (buf, tag, sources) in enumerate(zip(buffers, spec.tags, real_kv_sources, strict=True)):
         bits = verify_kernels.verify_bits(
             buf,
             plan.slot_indices,
@@ -67,7 +48,7 @@ def phase(
             plan.prev_slot_indices,
             plan.active,
             real_kv_sources=sources,
-            real_kv_hash_mode=real_kv_hash_mode,
+            real_kv_hash_mode=spec.real_kv_hash_mode,
             check_expected_token=check,
             interpret=interpret,
         )
@@ -79,12 +60,12 @@ def phase(
             num_reqs,
             p.batch.input_ids,
             p.batch.positions,
-            p.loc + reference.after(verify[1]),  # the store waits for the verify rows read from this buffer
+            p.loc + ring.after(verify[1]),  # the store waits for the verify rows read from this buffer
             enable_chain_position_assert,
             real_kv_sources=sources,
-            real_kv_hash_mode=real_kv_hash_mode,
+            real_kv_hash_mode=spec.real_kv_hash_mode,
             interpret=interpret,
         )
         pending += [verify, reference.write_rows(p, chain, tag, capacity)]
         new_buffers.append(buf)
-    return reference.finish(log, p, pending, new_buffers, chain.written, tags)
+    return reference.finish(log, p, pending, new_buffers, chain.written, spec.tags)

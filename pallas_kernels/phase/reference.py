@@ -19,15 +19,12 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels import fusion, hash64, layout, realkv, records
+from pallas_kernels import fusion, hash64, layout, realkv, records, ring
 from pallas_kernels import prefix as prefix_sums
 from pallas_kernels.phase import common
 from pallas_kernels.verify import reference as verify_reference
 from pallas_kernels.write import reference as write_reference
 from pallas_kernels.write import store
-
-_INT32_MAX = 2**31 - 1
-
 
 class Plan(NamedTuple):
     """The verify and write plans of one phase (as ``kvcanary_jax.build_plans`` builds them, capacity = R)."""
@@ -111,46 +108,6 @@ def first_flagged(flags: jax.Array, capacity: int) -> tuple[jax.Array, jax.Array
     return jnp.sum(flags, dtype=jnp.int32), entries.astype(jnp.int32)
 
 
-def place(ring: jax.Array, context, write_index: jax.Array, pending):
-    """Writes each launch's rows at the write index in order where the fill-once ring has room (SPEC §1 Ring).
-
-    ``pending`` holds ``(count, rows u32[capacity, 8, 2], row_context i32[capacity, 3])`` per launch; ``context``
-    (the ring's, or None) gets each placed row's context. The index saturates at 2^31 - 1. Returns
-    ``(ring, context, write_index)``.
-    """
-    capacity = ring.shape[0]
-    row = jnp.arange(capacity, dtype=jnp.int32)
-    start = write_index[0]
-    for count, rows, row_context in pending:
-        k = row - start  # ring row start + k holds the launch's k-th row
-        fresh = (k >= 0) & (k < count)
-        at = jnp.clip(k, 0, capacity - 1)
-        ring = jnp.where(fresh[:, None, None], rows[at], ring)
-        if context is not None:
-            context = jnp.where(fresh[:, None], row_context[at], context)
-        start = start + jnp.minimum(count, _INT32_MAX - start)
-    return ring, context, start.reshape(1).astype(jnp.int32)
-
-
-def after(rows: jax.Array) -> jax.Array:
-    """A traced int32 zero that depends on ``rows`` (u32[capacity, 8, 2], gathered from a canary buffer).
-
-    Added to the slots of the buffer's in-place store, it orders the store after the gathers (materialised behind
-    an optimization barrier), so XLA neither schedules it first nor copies the whole buffer to keep its old bytes. Word [0, 7, 0] is a row's fail bits
-    (< 2^31), or whatever the row gather read for an empty launch, which is also a fail-bits word.
-    """
-    return lax.shift_right_logical(rows[0, 7, 0], jnp.uint32(31)).astype(jnp.int32)
-
-
-def bump(counters: jax.Array, increments: dict[int, jax.Array]) -> jax.Array:
-    """``counters[tag] += amount`` on u64 (lo, hi) counters; amounts are non-negative int32."""
-    tags = jnp.arange(counters.shape[0], dtype=jnp.int32)
-    add = jnp.zeros(counters.shape[:1], jnp.uint32)
-    for tag, amount in increments.items():
-        add = add + jnp.where(tags == tag, jnp.asarray(amount).astype(jnp.uint32), jnp.uint32(0))
-    return hash64.join(hash64.add(hash64.split(counters), (add, jnp.zeros_like(add))))
-
-
 def _table_rows(batch: common.Batch, plan: Plan, entries, tag: int, group_slots: int):
     """(rows, context) of the ``INVALID_INPUT`` rows of table-issue ``entries``."""
     batch_row, position = plan.entry_rows[entries], plan.positions[entries]
@@ -165,13 +122,13 @@ def _table_rows(batch: common.Batch, plan: Plan, entries, tag: int, group_slots:
         has_lut=batch.full_to_swa_index_mapping is not None,
         group_slots=group_slots,
     )
-    return common.pack_row(common.input_row(tag, **issue)), common.row_context(request, position, batch_row)
+    return ring.pack_row(common.input_row(tag, **issue)), ring.row_context(request, position, batch_row)
 
 
 def _input_issue_rows(input_issues: jax.Array, entries, tag: int):
     """(rows, context) of the caller's ``input_issues`` columns ``entries``."""
     at = dict(zip(common.INPUT_ISSUE_FIELDS, input_issues[:, entries], strict=True))
-    return common.pack_row(common.input_row(tag, **at)), common.row_context(at["request"], at["position"], at["entry"])
+    return ring.pack_row(common.input_row(tag, **at)), ring.row_context(at["request"], at["position"], at["entry"])
 
 
 def skip_rejected_requests(
@@ -197,8 +154,8 @@ def _verify_rows(batch: common.Batch, plan: Plan, loaded: Loaded, bits, entries,
     stored = tuple(at(field) for field in loaded.stored)
     fields = common.verify_row(tag, slot, prev, stored, at(loaded.expected_chain), token, bits[entries])
     batch_row = plan.entry_rows[entries]
-    context = common.row_context(batch.req_pool_indices[batch_row], plan.expected_positions[entries], batch_row)
-    return common.pack_row(fields), context
+    context = ring.row_context(batch.req_pool_indices[batch_row], plan.expected_positions[entries], batch_row)
+    return ring.pack_row(fields), context
 
 
 class Loaded(NamedTuple):
@@ -284,9 +241,9 @@ def _write_rows(batch: common.Batch, plan: Plan, loc, chain, input_bits, entries
     aux = hash64.where(is_chain_row, hash64.split(chain.expected_position[i]), input_aux)
     bits = jnp.where(is_chain_row, layout.FAIL_WRITE_POSITION, input_bits[i])
     prev_hash = hash64.split(chain.prev_hash[i])
-    rows = common.pack_row(common.write_row(tag, loc[i], position, token, expected_token, prev_hash, aux, bits))
+    rows = ring.pack_row(common.write_row(tag, loc[i], position, token, expected_token, prev_hash, aux, bits))
     batch_row = common.token_row(plan.write_offsets, i)
-    return rows, common.row_context(batch.req_pool_indices[batch_row], lax.bitcast_convert_type(aux[0], jnp.int32), i)
+    return rows, ring.row_context(batch.req_pool_indices[batch_row], lax.bitcast_convert_type(aux[0], jnp.int32), i)
 
 
 class Prepared(NamedTuple):
@@ -302,31 +259,24 @@ def prepare(
     buffers: Sequence[jax.Array],
     log: common.Log,
     batch: common.Batch,
-    *,
-    tags: Sequence[int],
-    verify_capacity: int,
-    window: int,
-    token_offset: int,
-    full_slots: int | None,
-    check_table: bool,
-    skip_bad_requests: bool,
     input_issues: jax.Array | None,
+    spec: common.PhaseSpec,
 ) -> Prepared:
     """The plan, the written slots and the ``INVALID_INPUT`` rows of a phase (arguments as in :func:`phase`)."""
     batch = common.with_roles(common.pad_tokens(batch))  # the write chain needs at least one token
     group_slots = buffers[0].shape[0]
-    full_slots = full_slots or group_slots
+    full_slots = spec.full_slots or group_slots
     plan = build_plan(
         batch,
-        capacity=verify_capacity,
-        window=window,
-        token_offset=token_offset,
+        capacity=spec.verify_capacity,
+        window=spec.window,
+        token_offset=spec.token_offset,
         full_slots=full_slots,
         group_slots=group_slots,
     )
     gather_lut, lut_size = common.lut_reader(batch.full_to_swa_index_mapping)
     loc = batch.out_cache_loc
-    if skip_bad_requests:
+    if spec.skip_bad_requests:
         loc = skip_rejected_requests(
             batch, plan.write_offsets, gather_lut, lut_size, full_slots=full_slots, group_slots=group_slots
         )
@@ -334,10 +284,10 @@ def prepare(
     capacity, pending = log.ring.shape[0], []
     if input_issues is not None:
         count, entries = first_flagged(input_issues[0] != 0, capacity)
-        pending.append((count, *_input_issue_rows(input_issues, entries, tags[0])))
-    if check_table:
+        pending.append((count, *_input_issue_rows(input_issues, entries, spec.tags[0])))
+    if spec.check_table:
         count, entries = first_flagged(plan.table_problems != 0, capacity)
-        pending.append((count, *_table_rows(batch, plan, entries, tags[0], group_slots)))
+        pending.append((count, *_table_rows(batch, plan, entries, spec.tags[0], group_slots)))
     return Prepared(batch, plan, loc, pending)
 
 
@@ -362,16 +312,16 @@ def finish(
 ) -> tuple[tuple[jax.Array, ...], common.Log, jax.Array]:
     """Places the phase's rows in order and bumps its counters (a verify and a write per tag; ``written`` is a
     half's bool[T] written tokens)."""
-    ring, context, write_index = place(log.ring, log.context, log.write_index, pending)
+    placed, context, write_index = ring.place(log.ring, log.context, log.write_index, pending)
     entries = p.plan.active + jnp.sum(written, dtype=jnp.int32)
     overflows = log.verify_overflows
     if overflows is not None:
         overflows = common.count_overflow(overflows, p.plan.enable == 0)
     new_log = common.Log(
-        ring=ring,
+        ring=placed,
         write_index=write_index,
-        kernel_run_counters=bump(log.kernel_run_counters, {tag: jnp.int32(2) for tag in tags}),
-        slot_run_counters=bump(log.slot_run_counters, {tag: entries for tag in tags}),
+        kernel_run_counters=ring.bump(log.kernel_run_counters, {tag: jnp.int32(2) for tag in tags}),
+        slot_run_counters=ring.bump(log.slot_run_counters, {tag: entries for tag in tags}),
         context=context,
         verify_overflows=overflows,
     )
@@ -383,17 +333,9 @@ def phase(
     log: common.Log,
     batch: common.Batch,
     enable_chain_position_assert: jax.Array,
-    *,
-    tags: Sequence[int],
     real_kv_sources: Sequence[Sequence[realkv.RealKvSource]],
-    real_kv_hash_mode: int,
-    verify_capacity: int,
-    window: int = 0,
-    token_offset: int = 0,
-    full_slots: int | None = None,
-    check_table: bool = False,
-    skip_bad_requests: bool = False,
-    input_issues: jax.Array | None = None,
+    input_issues: jax.Array | None,
+    spec: common.PhaseSpec,
 ) -> tuple[tuple[jax.Array, ...], common.Log, jax.Array]:
     """One phase of one group: per half, verify the plan's cached slots, then write this step's records.
 
@@ -403,41 +345,19 @@ def phase(
       batch: the step's arrays (:class:`common.Batch`); the token check is on when ``batch.token_pool`` is given,
         the write input assert when ``batch.expected_input_ids`` is.
       enable_chain_position_assert: i32[1].
-      tags: the launch tag of each half (its verify and its write share it).
       real_kv_sources: per half, the sources folded into REAL_KV_HASH (empty on HEAD phases).
-      real_kv_hash_mode: NONE, PARTIAL or ALL.
-      verify_capacity: the verify plan's static capacity; a batch with more entries skips its verify.
-      window: > 0 verifies only the last ``window`` cached positions (SWA); 0 verifies all.
-      token_offset: the token at KV position p is token p + offset (token check only).
-      full_slots: the FULL pool's slot count (``req_to_token``'s values); None: the buffers' (a FULL group).
-      check_table: report the listed plan entries' ``req_to_token`` values the pools cannot hold
-        (:func:`common.slot_issue`) as ``INVALID_INPUT`` rows tagged ``tags[0]``, ahead of the launches' rows.
-      skip_bad_requests: write nothing for the tokens of a row that is not a request, nor for any token of a
-        request with a new slot the group cannot store (:func:`skip_rejected_requests`); off, each token's slot
-        alone decides (skipped when < 0 or outside the group's pool).
       input_issues: i32[8, n] ``INVALID_INPUT`` candidates the caller checked (rows ``common.INPUT_ISSUE_FIELDS``;
-        problem 0: none), placed first, in order, tagged ``tags[0]``; or None.
+        problem 0: none), placed first, in order, tagged ``spec.tags[0]``; or None.
+      spec: the static arguments (:class:`common.PhaseSpec`).
 
     Returns:
       ``(buffers, log, enable)``: the new buffers and log, and i32[1] 0 when the verify plan overflowed.
     """
-    p = prepare(
-        buffers,
-        log,
-        batch,
-        tags=tags,
-        verify_capacity=verify_capacity,
-        window=window,
-        token_offset=token_offset,
-        full_slots=full_slots,
-        check_table=check_table,
-        skip_bad_requests=skip_bad_requests,
-        input_issues=input_issues,
-    )
+    p = prepare(buffers, log, batch, input_issues, spec)
     batch, plan, loc = p.batch, p.plan, p.loc
     group_slots, capacity = buffers[0].shape[0], log.ring.shape[0]
     loaded = load_halves(buffers, plan)
-    verify_kv, write_kv = fold_halves(real_kv_sources, plan, loc, real_kv_hash_mode, group_slots)
+    verify_kv, write_kv = fold_halves(real_kv_sources, plan, loc, spec.real_kv_hash_mode, group_slots)
     bits = verify_reference.loaded_bits(
         loaded.stored,
         loaded.expected_chain,
@@ -451,12 +371,12 @@ def phase(
     )
     chains = walk_halves(loaded, plan, batch, loc, enable_chain_position_assert)
     pending, new_buffers = list(p.pending), []
-    for h, (buf, tag) in enumerate(zip(buffers, tags, strict=True)):
+    for h, (buf, tag) in enumerate(zip(buffers, spec.tags, strict=True)):
         verify = verify_rows(p, half(loaded, h), bits[h], tag, batch.token_pool is not None, capacity)
         chain = half(chains, h)
         pending += [verify, write_rows(p, chain, tag, capacity)]
-        target = loc + after(verify[1])  # the store waits for the verify rows read from this buffer
+        target = loc + ring.after(verify[1])  # the store waits for the verify rows read from this buffer
         new_buffers.append(
             store.store(buf, target, batch.input_ids, batch.positions, chain.prev_hash, half(write_kv, h), chain.written)
         )
-    return finish(log, p, pending, new_buffers, chains.written[-1], tags)
+    return finish(log, p, pending, new_buffers, chains.written[-1], spec.tags)

@@ -15,6 +15,7 @@ import pytest
 import kvcanary_jax as kc
 from kvcanary_jax.core import _ops
 from kvcanary_jax.core._plans import translate
+from pallas_kernels.phase import api as phase_api
 from tests.pallas_kernels.phase_cases import RING_STARTS, make_case
 from tests.pallas_kernels.test_phase_kernel import VARIANTS
 
@@ -67,19 +68,22 @@ def _per_launch(buffers, log, batch, cpa, sources, *, tags, shape, backend):
 
 @functools.partial(jax.jit, static_argnames=("tags", "shape", "backend"))
 def _fused(buffers, log, batch, cpa, sources, *, tags, shape, backend):
-    return _ops.fused_phase(
-        _device(log, cpa, batch),
-        buffers,
-        batch,
+    spec = phase_api.PhaseSpec(
         tags=tags,
-        real_kv_sources=sources,
-        real_kv_hash_mode=kc.RealKvHashMode(shape.mode),
+        real_kv_hash_mode=shape.mode,
         verify_capacity=shape.capacity,
         window=shape.window,
         token_offset=shape.token_offset,
         full_slots=shape.num_slots,
         check_table=shape.check_table,  # valid tables: no INVALID_INPUT rows to add
         skip_bad_requests=False,
+    )
+    return _ops.fused_phase(
+        _device(log, cpa, batch),
+        buffers,
+        batch,
+        spec,
+        real_kv_sources=sources,
         input_issues=None,
         verify_overflows=jnp.zeros((1,), jnp.int32),
         backend=backend,

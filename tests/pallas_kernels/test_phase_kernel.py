@@ -66,7 +66,8 @@ def _phase(
         skip_bad_requests=skip_bad_requests,
     )
     if config is not None:
-        return pallas_triton.phase(buffers, log, batch, cpa, sources, interpret=True, config=config, **kwargs)
+        spec = common.PhaseSpec(**{k: v for k, v in kwargs.items() if k != "input_issues"})
+        return pallas_triton.phase(buffers, log, batch, cpa, sources, issues, spec=spec, interpret=True, config=config)
     return api.phase(buffers, log, batch, cpa, real_kv_sources=sources, backend=backend, **kwargs)
 
 
