@@ -17,9 +17,8 @@ Every canary point also runs the canary alone (HEAD then TAIL in one jit, no for
 from a ``jax.profiler`` trace of ``--profile-steps`` steps, its device kernels per step and their device time
 (``<out>/profiles.md`` lists each point's kernels). XLA:GPU runs a jit as one CUDA graph, which the trace shows as a
 single ``command_buffer`` op, so that one profiled compile turns command buffers off
-(``compiler_options={"xla_gpu_enable_command_buffer": ""}``); the timed steps keep XLA's defaults. Points with
-``path="per_launch"`` run the runner's per-launch phase (the path before the fused ``phase`` op, kept for backends
-without its kernels), so one run measures before and after. The detail point also checks the compiled step for
+(``compiler_options={"xla_gpu_enable_command_buffer": ""}``); the timed steps keep XLA's defaults. The detail point
+also checks the compiled step for
 buffer copies and writes the profiled HLO to ``<out>/canary_only_hlo.txt`` (it names the trace's fusions).
 
 Every variant also reports its step's compile time, wrapped beside unwrapped: ``lower_s`` (jaxpr to MLIR, the
@@ -79,13 +78,11 @@ class Point:
     halves: str = "K+V"
     backend: str = "pallas"
     detail: bool = False  # also check the compiled step for buffer copies and dump the canary's HLO
-    path: str = "fused"  # "fused": the runner's phase op; "per_launch": its per-launch phase (before issue 16)
 
     @property
     def label(self) -> str:
         canary = "off" if self.mode is None else f"{self.mode} {self.halves} {self.backend}"
-        path = "" if self.mode is None or self.path == "fused" else f" {self.path}"
-        return f"{self.kind} bs={self.bs} ctx={self.ctx} canary={canary}{path}"
+        return f"{self.kind} bs={self.bs} ctx={self.ctx} canary={canary}"
 
 
 def default_points(tiny: bool) -> list[Point]:
@@ -94,7 +91,6 @@ def default_points(tiny: bool) -> list[Point]:
         return [
             Point("decode", 2, 64),
             Point("decode", 2, 64, "partial", detail=True),
-            Point("decode", 2, 64, "partial", path="per_launch"),
             Point("decode", 2, 64, "all", "K"),
             Point("decode", 2, 64, "partial", backend="xla"),
             Point("prefill", 2, 32),
@@ -102,20 +98,19 @@ def default_points(tiny: bool) -> list[Point]:
         ]
     points = []
     for kind, bs, ctx in [
-        ("decode", 64, 1024),  # 0..4 (off, partial, partial per-launch, none, all)
-        ("decode", 1, 1024),  # 5..7 (off, partial, partial per-launch); so on for each shape
-        ("decode", 256, 1024),  # 8..10
-        ("decode", 64, 8192),  # 11..13
-        ("prefill", 32, 4096),  # 14..16
-        ("decode", 1, 8192),  # 17..19
+        ("decode", 64, 1024),  # 0..3 (off, partial, none, all)
+        ("decode", 1, 1024),  # 4..5 (off, partial); so on for each shape
+        ("decode", 256, 1024),  # 6..7
+        ("decode", 64, 8192),  # 8..9
+        ("prefill", 32, 4096),  # 10..11
+        ("decode", 1, 8192),  # 12..13
     ]:
         points += [Point(kind, bs, ctx), Point(kind, bs, ctx, "partial", detail=(bs, ctx) == (64, 1024))]
-        points += [Point(kind, bs, ctx, "partial", path="per_launch")]
         if (bs, ctx) == (64, 1024):
             points += [Point(kind, bs, ctx, "none"), Point(kind, bs, ctx, "all")]
     # Last, with their own canary-off twins: K alone; the XLA chain walk compiles slowly.
-    points += [Point("decode", 64, 1024), Point("decode", 64, 1024, "partial", "K")]  # 20, 21
-    points += [Point("decode", 64, 1024), Point("decode", 64, 1024, "partial", backend="xla")]  # 22, 23
+    points += [Point("decode", 64, 1024), Point("decode", 64, 1024, "partial", "K")]  # 14, 15
+    points += [Point("decode", 64, 1024), Point("decode", 64, 1024, "partial", backend="xla")]  # 16, 17
     return points
 
 
@@ -159,17 +154,10 @@ def attention_kw(ctx: int, tiny: bool) -> tuple:
     return (("k_splits", splits), ("pages_per_compute_block", per_block))
 
 
-class PerLaunchCanary(kc.KvCanary):
-    """The runner with its per-launch phase: what ``before_forward``/``after_forward`` ran before issue 16."""
-
-    _fused_phase = kc.KvCanary._per_launch_phase  # the GPU branch of _forward_phase runs the single ops
-
-
 def make_canary(point: Point, num_slots: int, verify_capacity: int, tiny: bool) -> kc.KvCanary:
     backend = "auto" if tiny and point.backend == "pallas" else point.backend  # no Triton on the CPU smoke test
     config = kc.CanaryConfig(mode="log", real_kv_hash_mode=point.mode, backend=backend, ring_capacity=1024)
-    cls = PerLaunchCanary if point.path == "per_launch" else kc.KvCanary
-    return cls(
+    return kc.KvCanary(
         config,
         kc.CanaryPool(
             num_slots=num_slots, page_size=PAGE_SIZE, with_v=point.halves == "K+V", verify_capacity=verify_capacity
@@ -225,7 +213,7 @@ def canary_bytes(point: Point, shape: lm.ModelShape) -> int:
     entries = point.bs * (point.ctx - 1) if point.kind == "decode" else 0
     written = point.bs if point.kind == "decode" else point.bs * point.ctx
     rkv = {"none": 0, "partial": 32, "all": 256}[point.mode]
-    plan = 2 * 8 if point.path == "fused" else 2 * (16 + 16 * halves)
+    plan = 2 * 8
     verify = entries * (halves * (2 * (32 + 32) + rkv) + plan)
     write = written * halves * (2 * (32 + 12) + rkv)
     return verify + write

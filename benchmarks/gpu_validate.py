@@ -11,6 +11,7 @@ prints one line per case plus a summary. Writes ``validate.txt`` under ``--out``
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import sys
 import time
@@ -328,8 +329,8 @@ def phase_case(shape, runs):
 
 
 def runner_paths(bs: int, ctx: int, steps: int = 3):
-    """KvCanary's fused phase against its per-launch phase, HEAD + TAIL steps with real KV, then the compiled fused
-    step: no copy of a canary buffer or of the KV pool."""
+    """KvCanary's phase on the GPU's kernels against its xla reference, HEAD + TAIL steps with real KV, then the
+    compiled fused step: no copy of a canary buffer or of the KV pool."""
 
     def run():
         page = 16
@@ -337,10 +338,7 @@ def runner_paths(bs: int, ctx: int, steps: int = 3):
         config = kc.CanaryConfig(real_kv_hash_mode="partial", ring_capacity=1024, enable_write_input_assert=True)
         fused = kc.KvCanary(config, pool)
 
-        class PerLaunch(kc.KvCanary):
-            _fused_phase = kc.KvCanary._per_launch_phase  # the GPU branch runs the single ops
-
-        per_launch = PerLaunch(config, pool)
+        reference = kc.KvCanary(dataclasses.replace(config, backend="xla"), pool)
         rng = np.random.default_rng(15)
         kv = jnp.asarray(rng.integers(-100, 100, (bs * ctx // page + 1, page, 8, 128)), jnp.bfloat16)
         slots = 1 + rng.permutation(bs * ctx)[: bs * ctx].reshape(bs, ctx).astype(np.int32)
@@ -370,15 +368,15 @@ def runner_paths(bs: int, ctx: int, steps: int = 3):
 
             return jax.jit(step, donate_argnums=0)
 
-        steps_fns = {"fused": step_fn(fused), "per_launch": step_fn(per_launch)}
-        states = {name: canary.init_state() for name, canary in (("fused", fused), ("per_launch", per_launch))}
+        steps_fns = {"fused": step_fn(fused), "xla": step_fn(reference)}
+        states = {name: canary.init_state() for name, canary in (("fused", fused), ("xla", reference))}
         batches = [batch(0, ctx - steps)] + [batch(ctx - steps + i, 1) for i in range(steps)]
         for i, b in enumerate(batches):
             if i == 1:
                 kv = kv.at[1].add(1)  # corrupt some KV bytes after the prefill: TAIL real-KV rows
                 states = {name: fused.mark_init_finished(s) for name, s in states.items()}
             states = {name: steps_fns[name](states[name], b, kv) for name in states}
-            chex.assert_trees_all_equal(states["fused"], states["per_launch"])
+            chex.assert_trees_all_equal(states["fused"], states["xla"])
         text = steps_fns["fused"].lower(states["fused"], batches[-1], kv).compile().as_text()
         big = (f"u32[{bs * ctx + page},4,2]", f"u32[{bs * ctx + page},8]", "bf16[" + ",".join(map(str, kv.shape)))
         copies = [line.strip()[:160] for line in text.splitlines() if " copy(" in line and any(b in line for b in big)]
@@ -450,7 +448,7 @@ def main() -> None:
     if args.quick:
         decode = phase_cases.Shape(num_slots=3000, num_reqs=8, max_len=64, num_tokens=24, capacity=500, **kv)
         case("phase decode (quick)", phase_case(decode, floods + primed + overflow + runner_form))
-        case("runner fused vs per-launch (quick)", runner_paths(4, 64))
+        case("runner fused vs xla (quick)", runner_paths(4, 64))
     else:
         decode = phase_cases.Shape(
             num_slots=300_000, num_reqs=256, max_len=1024, num_tokens=770, capacity=256_000, **kv
@@ -501,7 +499,7 @@ def main() -> None:
             ring_capacity=1024,
         )
         case("phase prefill 8x600 (sort winner rule)", phase_case(prefill, floods[:2] + primed[:1] + runner_form))
-        case("runner fused vs per-launch 64x1K, no copies", runner_paths(64, 1024))
+        case("runner fused vs xla 64x1K, no copies", runner_paths(64, 1024))
     case("verify 1M ALL bf16/p16 token-check", verify_case(1, (BF16_P16,), 2, True, **big))
     case(
         "verify 1M PARTIAL bf16/p16+fp8/p1, num_active ragged",

@@ -2,6 +2,11 @@
 
 The public surface, by tier (see ``__all__``): wrap a decode loop; run it on a mesh; SGLang-compatible ops and
 plans; read reports; constants. ``kvcanary_jax.testing`` holds what a user's test suite needs.
+
+Privacy rule: a ``_name`` (module or definition) is private to the package that defines it, and each package's
+``__init__.py`` lists its public names. Of the lower layer, this package imports only each op's ``api`` module
+(``pallas_kernels.<op>.api``) and the shared top-level modules (``pallas_kernels.backend``, ``checks``, ``hash64``,
+...), never an op's ``reference``, ``common`` or kernel modules.
 """
 
 from kvcanary_jax import testing as testing  # the test tier, as kvcanary_jax.testing (numpy.testing's manner)

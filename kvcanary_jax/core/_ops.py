@@ -2,16 +2,14 @@
 
 Each op is a launch (:func:`verify_launch` / :func:`write_launch`: run the op, leaving the state alone) plus
 :func:`commit` (append its rows, bump its counters). The runner runs a whole phase at once instead
-(:func:`fused_phase`, the lower layer's ``phase`` op: plans, both halves' verify and write, rows and counters in
-three launches); where that op has no kernels (Mosaic on TPU) it calls the halves itself, so that all launches of
-one phase share one prefix sum and one ring update (:func:`apply`). The ring bytes are the same every way. The
-public ops check what only this layer knows (state, tag, plan type, the token pool) and parse the real-KV mode;
-``pallas_kernels`` checks its own arrays, sources and backend.
+(:func:`fused_phase`, the lower layer's ``phase`` op: plans, both halves' verify and write, rows and counters, on
+every backend); the ring bytes are the same either way. The public ops check what only this layer knows (state,
+tag, plan type, the token pool) and parse the real-KV mode; ``pallas_kernels`` checks its own arrays, sources and
+backend.
 """
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 from collections.abc import Callable, Sequence
 
@@ -26,7 +24,7 @@ from kvcanary_jax.core._config import parse_real_kv_hash_mode
 from kvcanary_jax.core._constants import RealKvHashMode
 from kvcanary_jax.core._plans import VerifyPlan, WritePlan
 from kvcanary_jax.core._state import CanaryDeviceState, ViolationLog
-from pallas_kernels import checks, hash64, layout, mesh, realkv, records
+from pallas_kernels import checks, hash64, layout, mesh, realkv, records, ring
 from pallas_kernels.phase import api as phase_api
 from pallas_kernels.verify import api as verify_api
 from pallas_kernels.write import api as write_api
@@ -84,38 +82,15 @@ def append(log: ViolationLog, flags: jax.Array, build_rows: RowBuilder) -> Viola
     return _ring.scatter(log, flags, *build_rows(jnp.arange(num_flags, dtype=jnp.int32)))
 
 
-def _bump(counters: jax.Array, increments: dict[int, jax.Array]) -> jax.Array:
-    """``counters[tag] += amount`` per tag on u64 (lo, hi) counters; amounts are non-negative int32.
-
-    Elementwise over every tag (not one-row updates), so XLA fuses a step's bumps into one kernel.
-    """
-    tags = jnp.arange(counters.shape[0])
-    add = jnp.zeros(counters.shape[:1], jnp.uint32)
-    for tag, amount in increments.items():
-        add = add + jnp.where(tags == tag, amount.astype(jnp.uint32), jnp.uint32(0))
-    return hash64.join(hash64.add(hash64.split(counters), (add, jnp.zeros_like(add))))
-
-
-def apply(
-    state: CanaryDeviceState, pending: Sequence[_ring.PendingRows], launches: Sequence[Launch]
-) -> CanaryDeviceState:
-    """Places the launches' pending rows in the ring (in the order given) and bumps their counters."""
-    kernels, slots = collections.Counter(), collections.defaultdict(lambda: jnp.int32(0))
-    for launch in launches:
-        kernels[launch.tag] += 1
-        slots[launch.tag] = slots[launch.tag] + launch.entries
-    return dataclasses.replace(
-        state,
-        violation_log=_ring.place(state.violation_log, pending),
-        kernel_run_counters=_bump(state.kernel_run_counters, {t: jnp.int32(n) for t, n in kernels.items()}),
-        slot_run_counters=_bump(state.slot_run_counters, dict(slots)),
-    )
-
-
 def commit(state: CanaryDeviceState, launch: Launch) -> CanaryDeviceState:
     """Appends one launch's rows and bumps its counters."""
     pending = pending_rows([(launch.flags, launch.build_rows)], state.violation_log.ring_capacity)
-    return apply(state, pending, [launch])
+    return dataclasses.replace(
+        state,
+        violation_log=_ring.place(state.violation_log, pending),
+        kernel_run_counters=ring.bump(state.kernel_run_counters, {launch.tag: jnp.int32(1)}),
+        slot_run_counters=ring.bump(state.slot_run_counters, {launch.tag: launch.entries}),
+    )
 
 
 def verify_launch(
@@ -127,12 +102,8 @@ def verify_launch(
     real_kv_hash_mode: RealKvHashMode,
     check_expected_token: bool,
     backend: str,
-    entry_requests: jax.Array | None = None,
 ) -> Launch:
-    """:func:`canary_verify`'s launch, from already checked arguments: its fail bits, row builder and count.
-
-    ``entry_requests`` (i32[2, capacity]: each entry's request row and batch row) feeds the rows' context.
-    """
+    """:func:`canary_verify`'s launch, from already checked arguments: its fail bits, row builder and count."""
     capacity = np.shape(plan.slot_indices)[0]  # the array itself is checked by pallas_kernels
     active = jnp.where(plan.enable[0] != 0, jnp.clip(plan.num_valid[0], 0, capacity), 0)
     bits = verify_api.verify(
@@ -153,10 +124,7 @@ def verify_launch(
         token, position, prev_hash, _ = records.load(canary_buf, slot)
         expected_chain = hash64.where(prev != 0, records.slot_hash(canary_buf, prev), prev_hash)
         expected_token = plan.expected_tokens[entry] if check_expected_token else jnp.full_like(entry, -1)
-        if entry_requests is None:
-            request = batch_row = jnp.full_like(entry, -1)
-        else:
-            request, batch_row = entry_requests[0, entry], entry_requests[1, entry]
+        none = jnp.full_like(entry, -1)  # no batch: no request row, no batch entry
         rows = _ring.pack_row(
             [
                 hash64.const(tag, entry),
@@ -169,7 +137,7 @@ def verify_launch(
                 hash64.from_i32(bits[entry]),
             ]
         )
-        return rows, _ring.context(request, plan.expected_positions[entry], batch_row)
+        return rows, _ring.context(none, plan.expected_positions[entry], none)
 
     return Launch(tag, bits != 0, build_rows, active)
 
@@ -188,13 +156,12 @@ def write_launch(
     expected_inputs: tuple[jax.Array, jax.Array] | None,
     backend: str,
     store_after: jax.Array,
-    req_pool_indices: jax.Array | None = None,
 ) -> tuple[jax.Array, Launch]:
     """:func:`canary_write`'s new buffer and launch, from already checked arguments.
 
     ``expected_inputs`` is ``(tokens, positions)`` of the input assert, or None. ``store_after`` is a traced int32
     zero (:func:`kvcanary_jax.core._ring.after`) that orders the in-place store after rows already gathered from
-    this buffer. ``req_pool_indices`` (i32[bs]), when given, names each row's request in the rows' context.
+    this buffer.
     """
     new_buf, chain = write_api.write(
         canary_buf,
@@ -227,10 +194,7 @@ def write_launch(
             input_aux = hash64.from_i32(expected_positions[i])
         aux = hash64.where(is_chain_row, hash64.split(chain.expected_position[i]), input_aux)
         bits = jnp.where(is_chain_row, layout.FAIL_WRITE_POSITION, input_bits[i])
-        request = jnp.full_like(entry, -1)
-        if req_pool_indices is not None:
-            batch_row = jnp.searchsorted(plan.write_offsets[1:], i, side="right", method="compare_all")
-            request = req_pool_indices[jnp.minimum(batch_row, req_pool_indices.shape[0] - 1)]
+        request = jnp.full_like(entry, -1)  # no batch: no request row
         rows = _ring.pack_row(
             [
                 hash64.const(tag, entry),
@@ -252,31 +216,24 @@ def fused_phase(
     device: CanaryDeviceState,
     buffers: tuple[jax.Array, ...],
     batch: phase_api.Batch,
+    spec: phase_api.PhaseSpec,
     *,
-    tags: tuple[int, ...],
     real_kv_sources: tuple[tuple[realkv.RealKvSource, ...], ...],
-    real_kv_hash_mode: RealKvHashMode,
-    verify_capacity: int,
-    window: int,
-    token_offset: int,
-    full_slots: int,
-    check_table: bool,
-    skip_bad_requests: bool,
     input_issues: jax.Array | None,
     verify_overflows: jax.Array | None,
     backend: str,
 ) -> tuple[CanaryDeviceState, tuple[jax.Array, ...], jax.Array | None]:
-    """One HEAD/TAIL phase of a group through the lower layer's fused ``phase`` op. Its ``INVALID_INPUT`` rows come
-    first: the caller's ``input_issues`` (i32[8, n]), then, with ``check_table``, the cached positions'
-    ``req_to_token`` values. With ``skip_bad_requests``, rows that are not requests and requests with a slot the
-    group cannot store write nothing.
+    """One HEAD/TAIL phase of a group through the lower layer's fused ``phase`` op (its static arguments:
+    ``spec``). Its ``INVALID_INPUT`` rows come first: the caller's ``input_issues`` (i32[8, n]), then, with
+    ``spec.check_table``, the cached positions' ``req_to_token`` values. With ``spec.skip_bad_requests``, rows
+    that are not requests and requests with a slot the group cannot store write nothing.
 
-    Same effects as the per-launch ops in SGLang's order (verify K, write K, verify V, write V): the ring, index,
+    Same effects as the public single ops run in SGLang's order (verify K, write K, verify V, write V): the ring, index,
     counters and buffers are byte-identical. Returns ``(device, buffers, verify_overflows)``: the i32[1] count
     given, +1 when the verify plan overflowed its capacity (saturating); None when none was given.
     """
     log = device.violation_log
-    new_buffers, out, _ = phase_api.phase(
+    new_buffers, out, _ = phase_api.run(
         buffers,
         phase_api.Log(
             log.violation_ring,
@@ -288,15 +245,8 @@ def fused_phase(
         ),
         batch,
         device.enable_chain_position_assert,
-        tags=tags,
+        spec,
         real_kv_sources=real_kv_sources,
-        real_kv_hash_mode=int(real_kv_hash_mode),
-        verify_capacity=verify_capacity,
-        window=window,
-        token_offset=token_offset,
-        full_slots=full_slots,
-        check_table=check_table,
-        skip_bad_requests=skip_bad_requests,
         input_issues=input_issues,
         backend=backend,
     )

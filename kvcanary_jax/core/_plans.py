@@ -160,66 +160,6 @@ def build_plans(
     Raises:
       ValueError, TypeError: for wrong shapes, dtypes or static arguments.
     """
-    verify_plan, write_plan, _ = build(
-        req_pool_indices,
-        prefix_lens,
-        extend_lens,
-        req_to_token,
-        verify_capacity=verify_capacity,
-        write_req_capacity=write_req_capacity,
-        swa_window_size=swa_window_size,
-        full_to_swa_index_mapping=full_to_swa_index_mapping,
-        req_to_verify_expected_tokens=req_to_verify_expected_tokens,
-        expected_tokens_valid_lens=expected_tokens_valid_lens,
-        kv_token_id_vs_position_offset=kv_token_id_vs_position_offset,
-    )
-    return verify_plan, write_plan
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class PlanRows:
-    """Which batch row each plan entry belongs to, for reports that point at the request.
-
-    Attributes:
-      verify_rows: i32[verify_capacity] batch row of each verify entry; -1 past ``num_valid``.
-      raw_slots: i32[verify_capacity] each entry's ``req_to_token`` value before the SWA translation; 0 past
-        ``num_valid``.
-      raw_prev: i32[verify_capacity] the same for each entry's predecessor; -1 for a chain head.
-      positions: i32[verify_capacity] each entry's position; 0 past ``num_valid``.
-
-    Entries up to ``num_valid`` are listed even when the plan overflowed (and verifies nothing).
-    """
-
-    verify_rows: jax.Array
-    raw_slots: jax.Array
-    raw_prev: jax.Array
-    positions: jax.Array
-
-
-def build(
-    req_pool_indices: jax.Array,
-    prefix_lens: jax.Array,
-    extend_lens: jax.Array,
-    req_to_token: jax.Array,
-    *,
-    active: jax.Array | None = None,
-    span_lens: jax.Array | None = None,
-    verify_capacity: int,
-    write_req_capacity: int,
-    swa_window_size: int = 0,
-    full_to_swa_index_mapping: jax.Array | None = None,
-    req_to_verify_expected_tokens: jax.Array | None = None,
-    expected_tokens_valid_lens: jax.Array | None = None,
-    kv_token_id_vs_position_offset: int = 0,
-) -> tuple[VerifyPlan, WritePlan, PlanRows]:
-    """:func:`build_plans` with the rows' roles given; also returns each verify entry's batch row.
-
-    ``active`` (bool[bs]) rows are verified and seed their chain; row r owns ``span_lens[r]`` (i32[bs], >= 0)
-    consecutive token entries, written only if it is active (the caller masks an inactive row's tokens in
-    ``out_cache_loc``). By default, SGLang's: a row is active unless ``req_pool_indices == 0``, and an inactive
-    row owns no tokens.
-    """
     lut, pool, valid_lens = full_to_swa_index_mapping, req_to_verify_expected_tokens, expected_tokens_valid_lens
     bs = _validate(
         req_pool_indices,
@@ -234,10 +174,8 @@ def build(
         valid_lens,
         kv_token_id_vs_position_offset,
     )
-    if active is None:
-        active = req_pool_indices != 0
-    if span_lens is None:
-        span_lens = jnp.where(active, jnp.maximum(extend_lens, 0), 0)
+    active = req_pool_indices != 0  # SGLang's roles: row 0 is padding, and a padding row owns no tokens
+    span_lens = jnp.where(active, jnp.maximum(extend_lens, 0), 0)
     max_context = req_to_token.shape[1]
     window_start = jnp.maximum(prefix_lens - swa_window_size, 0) if swa_window_size > 0 else jnp.zeros_like(prefix_lens)
     verify_lens = jnp.where(active, jnp.maximum(prefix_lens - window_start, 0), 0)
@@ -279,11 +217,4 @@ def build(
         seed_slot_indices=jnp.full((write_req_capacity,), -1, jnp.int32).at[:bs].set(seed),
         num_valid_reqs=jnp.full((1,), bs, jnp.int32),
     )
-    listed = t < num_valid
-    plan_rows = PlanRows(
-        verify_rows=jnp.where(listed, req, -1),
-        raw_slots=jnp.where(listed, raw_slot, 0),
-        raw_prev=jnp.where(listed, raw_prev, 0),
-        positions=jnp.where(listed, pos, 0),
-    )
-    return verify_plan, write_plan, plan_rows
+    return verify_plan, write_plan

@@ -22,12 +22,14 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 
 from kvcanary_jax.core._state import ViolationLog
-from pallas_kernels import hash64, prefix
+from pallas_kernels import prefix, ring
 
 _INT32_MAX = jnp.iinfo(jnp.int32).max
+pack_row = ring.pack_row  # a ring row from its eight u64 fields
+context = ring.row_context  # a ring row's context (request row, expected position, batch entry)
+after = ring.after  # orders an in-place store after rows gathered from the buffer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,11 +45,6 @@ class PendingRows:
     count: jax.Array
     rows: jax.Array
     context: jax.Array
-
-
-def pack_row(fields) -> jax.Array:
-    """Eight u64 fields (each a (lo, hi) pair) to a ``u32[..., 8, 2]`` violation row."""
-    return jnp.stack([hash64.join(f) for f in fields], axis=-2)
 
 
 def first_entries(flags: Sequence[jax.Array], capacity: int) -> tuple[jax.Array, jax.Array]:
@@ -92,25 +89,12 @@ def scatter(log: ViolationLog, flags: jax.Array, rows: jax.Array, context: jax.A
     start = log.violation_write_index[0]
     room = jnp.maximum(log.ring_capacity - start, 0)
     target = jnp.where((ones != 0) & (rank < room), start + rank, log.ring_capacity)  # start + rank < capacity
-    ring = log.violation_ring.at[target].set(rows, mode="drop")
+    new_ring = log.violation_ring.at[target].set(rows, mode="drop")
     ctx = log.violation_context
     if ctx is not None:
         ctx = ctx.at[target].set(context, mode="drop")
     index = _saturating_add(start, jnp.sum(ones)).reshape(1).astype(jnp.int32)
-    return ViolationLog(violation_ring=ring, violation_write_index=index, violation_context=ctx)
-
-
-def after(*rows: jax.Array) -> jax.Array:
-    """A traced int32 zero that depends on ring rows (``u32[capacity, 8, 2]``: pending rows or the ring itself).
-
-    Rows gather records from a canary buffer; adding this zero to a later in-place store's slots makes the store
-    wait for them, so XLA neither schedules the gather after the store nor copies the whole buffer to keep its old
-    bytes. Word [0, 7, 0] is a row's fail bits, always < 2^31, and XLA cannot fold the shift to a constant.
-    """
-    zero = jnp.zeros((), jnp.int32)
-    for r in rows:
-        zero = zero + lax.shift_right_logical(r[0, 7, 0], jnp.uint32(31)).astype(jnp.int32)
-    return zero
+    return ViolationLog(violation_ring=new_ring, violation_write_index=index, violation_context=ctx)
 
 
 def _saturating_add(a: jax.Array, b: jax.Array) -> jax.Array:
@@ -119,27 +103,8 @@ def _saturating_add(a: jax.Array, b: jax.Array) -> jax.Array:
 
 
 def place(log: ViolationLog, pending: Sequence[PendingRows]) -> ViolationLog:
-    """Writes the launches' rows at the write index, in launch order, where the fill-once ring has room.
-
-    Returns:
-      The updated log; the index grows by every launch's count, saturating at 2^31 - 1 instead of wrapping.
-    """
-    capacity = log.ring_capacity
-    row = jnp.arange(capacity, dtype=jnp.int32)
-    ring, context, start = log.violation_ring, log.violation_context, log.violation_write_index[0]
-    for p in pending:
-        k = row - start  # ring row start + k holds the launch's k-th row
-        fresh = (k >= 0) & (k < p.count)
-        at = jnp.clip(k, 0, capacity - 1)
-        ring = jnp.where(fresh[:, None, None], p.rows[at], ring)
-        if context is not None:
-            context = jnp.where(fresh[:, None], p.context[at], context)
-        start = _saturating_add(start, p.count)
-    return ViolationLog(
-        violation_ring=ring, violation_write_index=start.reshape(1).astype(jnp.int32), violation_context=context
-    )
-
-
-def context(request_row: jax.Array, expected_position: jax.Array, batch_entry: jax.Array) -> jax.Array:
-    """i32[..., 3] row context from three i32 arrays of one shape."""
-    return jnp.stack([request_row, expected_position, batch_entry], axis=-1).astype(jnp.int32)
+    """Writes the launches' rows at the write index, in launch order, where the fill-once ring has room
+    (``pallas_kernels.ring.place``, the phase op's placement); the index saturates at 2^31 - 1."""
+    rows = [(p.count, p.rows, p.context) for p in pending]
+    placed, ctx, index = ring.place(log.violation_ring, log.violation_context, log.violation_write_index, rows)
+    return ViolationLog(violation_ring=placed, violation_write_index=index, violation_context=ctx)

@@ -1,5 +1,8 @@
 """``KvCanary``: wraps a jitted decode step with SGLang's HEAD (before forward) and TAIL (after forward) launches.
 
+This module is the public face; what runs in the step is :mod:`kvcanary_jax.runtime._step`, and what is checked
+at trace time :mod:`kvcanary_jax.runtime._checks`.
+
 Usage inside the user's step (donate the KV cache and the canary state)::
 
     canary = KvCanary(config, CanaryPool(num_slots=4096, page_size=16))
@@ -20,50 +23,21 @@ Usage inside the user's step (donate the KV cache and the canary state)::
 from __future__ import annotations
 
 import dataclasses
-import functools
 import zlib
 
-import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 
-from kvcanary_jax.core import _ops, _plans, _ring
+from kvcanary_jax.core import _ops
 from kvcanary_jax.core._config import CanaryConfig
 from kvcanary_jax.core._constants import CanaryLaunchTag, Half, Phase, RealKvHashMode
 from kvcanary_jax.core._state import CanaryDeviceState, allocate_canary_buffer
-from kvcanary_jax.runtime import _adopt, _inputs, _pool, _sweep
+from kvcanary_jax.runtime import _adopt, _checks, _inputs, _pool, _step, _sweep
 from kvcanary_jax.runtime._batch import CanaryBatch, CanaryState
-from pallas_kernels import checks, mesh, realkv
-from pallas_kernels.batch_checks import api as batch_checks
-from pallas_kernels.phase import api as phase_api
-from pallas_kernels.phase import common as phase_common
+from kvcanary_jax.runtime._checks import DONATED_STATE as DONATED_STATE
+from kvcanary_jax.runtime._checks import check_not_donated as check_not_donated
+from pallas_kernels import checks, mesh
 
-_REQUIRED_FIELDS = (
-    "req_pool_indices", "prefix_lens", "extend_lens", "req_to_token", "input_ids", "positions", "out_cache_loc",
-)  # fmt: skip
-
-
-def _phase(value) -> Phase:
-    """A Phase from a member, its value or its (case-insensitive) name."""
-    if isinstance(value, str) and value.strip().upper() in Phase.__members__:
-        return Phase[value.strip().upper()]
-    if checks.is_int(value) and int(value) in Phase._value2member_map_:
-        return Phase(int(value))
-    raise ValueError(f"phases must hold Phase members or their names {list(Phase.__members__)}; got {value!r}")
-
-
-def check_not_donated(state: CanaryState) -> None:
-    """A concrete state whose buffers a jitted step took (donated) is used again: name it, not 'argument 2'."""
-    for leaf in jax.tree.leaves(state):
-        if isinstance(leaf, jax.Array) and not isinstance(leaf, jax.core.Tracer) and leaf.is_deleted():
-            raise ValueError(DONATED_STATE)
-
-
-DONATED_STATE = (
-    "state was donated to an earlier step and its buffers are gone: use the state that step returned "
-    "(state = step(..., state, ...)), not the one passed in"
-)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,7 +97,7 @@ class KvCanary:
             return ()
         if isinstance(phases, (str, Phase)) or checks.is_int(phases):
             phases = (phases,)
-        phases = tuple(_phase(p) for p in phases)
+        phases = tuple(_checks.parse_phase(p) for p in phases)
         phases = tuple(p for p in phases if p is not Phase.SWEEP or self.config.sweep_interval > 0)
         return tuple(sorted(g.tag(p, h) for g in self.groups for p in phases for h in self.halves))
 
@@ -198,7 +172,7 @@ class KvCanary:
 
     def mark_init_finished(self, state: CanaryState) -> CanaryState:
         """Turns on the write-time chain-position assert after warm-up; a device value, so nothing retraces."""
-        self._check_state(state)
+        _checks.check_state(self, state)
         device = dataclasses.replace(state.device, enable_chain_position_assert=jnp.ones((1,), jnp.int32))
         return dataclasses.replace(state, device=device)
 
@@ -237,11 +211,11 @@ class KvCanary:
         """
         if not self.enabled:
             return state
-        batch = self._checked_batch(state, batch)
-        rows = self._rows(state, batch)
-        state = self._update_expected_tokens(state, batch, rows)
+        batch = _checks.checked_batch(self, state, batch)
+        rows = _step.rows(self, state, batch)
+        state = _step.update_expected_tokens(self, state, batch, rows)
         for g in self.groups:
-            state = self._forward_phase(state, batch, rows, g, Phase.HEAD, _pool.KvSources())
+            state = _step.forward_phase(self, state, batch, rows, g, Phase.HEAD, _pool.KvSources())
         return state
 
     @mesh.entry_point("state", "batch")  # KV sources are read in place, never resharded
@@ -258,11 +232,11 @@ class KvCanary:
         """
         if not self.enabled:
             return state
-        batch = self._checked_batch(state, batch)
-        self._check_sources(kv_cache_sources)
-        rows = self._rows(state, batch)  # the HEAD's, recomputed: in one jit XLA computes it once
+        batch = _checks.checked_batch(self, state, batch)
+        _checks.check_sources(self, kv_cache_sources)
+        rows = _step.rows(self, state, batch)  # the HEAD's, recomputed: in one jit XLA computes it once
         for g in self.groups:
-            state = self._forward_phase(state, batch, rows, g, Phase.TAIL, kv_cache_sources)
+            state = _step.forward_phase(self, state, batch, rows, g, Phase.TAIL, kv_cache_sources)
         return state
 
     def sweep_plan(
@@ -309,28 +283,21 @@ class KvCanary:
         """
         if not self.enabled:
             return state
-        self._check_state(state)
-        self._check_sources(kv_cache_sources)
+        _checks.check_state(self, state)
+        _checks.check_sources(self, kv_cache_sources)
         if not isinstance(plan, _sweep.SweepPlan):
             raise TypeError(f"plan must be a SweepPlan (see KvCanary.sweep_plan); got {type(plan).__name__}")
         device = state.device
         if plan.issues is not None:  # before the launches, as the HEAD's input rows
             tag = self.groups[0].tag(Phase.SWEEP, Half.K)
-            flags, build_rows = _inputs.Issues.unstacked(plan.issues).launch_rows(tag)
-            device = dataclasses.replace(device, violation_log=_ops.append(device.violation_log, flags, build_rows))
+            device = _inputs.Issues.unstacked(plan.issues).append(device, tag)
         for g in self.groups:
             group_plan = getattr(plan, g.name)
             if group_plan is None:
                 raise ValueError(f"the sweep plan has no {g.name.upper()} plan but the pool has that group")
             for half in self.halves:
-                launch = self._verify(
-                    state.buffers(g).buffer(Phase.SWEEP, half),
-                    group_plan,
-                    g,
-                    Phase.SWEEP,
-                    half,
-                    kv_cache_sources,
-                    check_expected_token=False,
+                launch = _step.sweep_verify(
+                    self, state.buffers(g).buffer(Phase.SWEEP, half), group_plan, g, Phase.SWEEP, half, kv_cache_sources
                 )
                 device = _ops.commit(device, launch)
         return dataclasses.replace(state, device=device)
@@ -346,7 +313,7 @@ class KvCanary:
           TypeError, ValueError: for a bad entry, named (see :func:`kvcanary_jax.runtime._adopt.pack`).
           NotImplementedError: the pool has an SWA group (its records are not adopted).
         """
-        self._check_no_swa("adopt_plan")
+        _checks.check_no_swa(self, "adopt_plan")
         return _adopt.pack(entries, self.pool.num_slots, capacity)
 
     @mesh.entry_point("state", "plan")
@@ -363,9 +330,9 @@ class KvCanary:
         """
         if not self.enabled:
             return state
-        self._check_no_swa("adopt")
-        self._check_state(state)
-        self._check_sources(kv_cache_sources)
+        _checks.check_no_swa(self, "adopt")
+        _checks.check_state(self, state)
+        _checks.check_sources(self, kv_cache_sources)
         if not isinstance(plan, _adopt.AdoptPlan):
             raise TypeError(f"plan must be an AdoptPlan (see KvCanary.adopt_plan); got {type(plan).__name__}")
         plan.check()
@@ -381,356 +348,5 @@ class KvCanary:
         group_buffers = state.buffers(g)
         for (p, h), buf in zip(keys, buffers, strict=True):
             group_buffers = group_buffers.with_buffer(p, h, buf)
-        return self._append_issues(dataclasses.replace(state, **{g.name: group_buffers}), issues, g)
-
-    # -- one phase of one group ------------------------------------------------------------------------------------
-
-    def _forward_phase(
-        self,
-        state: CanaryState,
-        batch: CanaryBatch,
-        rows: batch_checks.Checked,
-        g: _pool.Group,
-        phase: Phase,
-        sources: _pool.KvSources,
-    ) -> CanaryState:
-        """A HEAD or TAIL phase of group ``g``: verify each half's cached slots, then write this step's records.
-
-        Its effects are SGLang's launch sequence (verify K, write K, verify V, write V), after the HEAD's
-        ``INVALID_INPUT`` rows. The lower layer's fused ``phase`` op runs it in three kernels on GPU (plans built
-        in-kernel, K and V together, rows placed by the kernels), and as its jnp reference elsewhere; on TPU, which
-        has Mosaic kernels for the single ops only, it is :meth:`_per_launch_phase`. The bytes are the same.
-        """
-        issues = None
-        if phase is Phase.HEAD:
-            issues = _inputs.group_issues(
-                batch, rows, window=g.window, num_slots=g.num_slots, full_num_slots=self.pool.num_slots
-            )
-        kwargs = dict(batch=batch, rows=rows, g=g, phase=phase, sources=sources, issues=issues)
-        fused = functools.partial(self._fused_phase, **kwargs)
-        per_launch = functools.partial(self._per_launch_phase, **kwargs)
-        backend = self.config.backend
-        if backend == "interpret_tpu":
-            return per_launch(state)
-        if backend in ("xla", "interpret"):
-            return fused(state)
-        # "pallas" and "auto" choose by the platform lowered for, as the ops do: XLA lowers only that branch.
-        return lax.platform_dependent(state, cuda=fused, rocm=fused, tpu=per_launch, default=fused)
-
-    @staticmethod
-    def _append_issues(state: CanaryState, issues: _inputs.Issues, g: _pool.Group) -> CanaryState:
-        """Appends ``INVALID_INPUT`` rows (no launch of SGLang's: no counter moves)."""
-        flags, build_rows = issues.launch_rows(g.tag(Phase.HEAD, Half.K))
-        log = _ops.append(state.device.violation_log, flags, build_rows)
-        return dataclasses.replace(state, device=dataclasses.replace(state.device, violation_log=log))
-
-    def _fused_phase(self, state: CanaryState, *, batch, rows, g, phase, sources, issues) -> CanaryState:
-        """:meth:`_forward_phase` through the lower layer's fused ``phase`` op: it places ``issues``' rows and the
-        table's first (on the HEAD), skips the requests the checks reject (``skip_bad_requests``, as
-        :func:`_inputs.request_slots` does for the per-launch path) and counts the HEAD's verify overflow."""
-        check_token = self.config.enable_verify_token_assert
-        expected = self._expected_inputs(batch) or (None, None)
-        fused_batch = phase_api.Batch(
-            req_pool_indices=batch.req_pool_indices,
-            prefix_lens=batch.prefix_lens,
-            extend_lens=batch.extend_lens,
-            req_to_token=batch.req_to_token,
-            input_ids=batch.input_ids,
-            positions=batch.positions,
-            out_cache_loc=batch.out_cache_loc,
-            full_to_swa_index_mapping=batch.full_to_swa_index_mapping if g.window else None,
-            token_pool=state.device.req_to_verify_expected_tokens if check_token else None,
-            token_pool_lens=(
-                _inputs.token_history_lens(batch, state.device.req_to_verify_expected_tokens) if check_token else None
-            ),
-            expected_input_ids=expected[0],
-            expected_input_positions=expected[1],
-            active=rows.active,
-            span_lens=rows.span_lens,
-        )
-        buffers = state.buffers(g)
-        head = phase is Phase.HEAD
-        device, new_buffers, overflows = _ops.fused_phase(
-            state.device,
-            tuple(buffers.buffer(phase, h) for h in self.halves),
-            fused_batch,
-            tags=tuple(int(g.tag(phase, h)) for h in self.halves),
-            real_kv_sources=tuple(sources.get(g, h) for h in self.halves),
-            real_kv_hash_mode=self.config.real_kv_hash_mode,
-            verify_capacity=g.verify_capacity,
-            window=g.window,
-            token_offset=self.pool.kv_token_id_vs_position_offset,
-            full_slots=self.pool.num_slots,
-            check_table=head,
-            skip_bad_requests=True,
-            input_issues=issues,
-            # Only the HEAD phase counts overflows: the TAIL phase rebuilds the identical plan.
-            verify_overflows=state.verify_overflows if head else None,
-            backend=self.config.backend,
-        )
-        for h, buf in zip(self.halves, new_buffers, strict=True):
-            buffers = buffers.with_buffer(phase, h, buf)
-        overflows = overflows if head else state.verify_overflows
-        return dataclasses.replace(state, device=device, verify_overflows=overflows, **{g.name: buffers})
-
-    def _per_launch_phase(self, state: CanaryState, *, batch, rows, g, phase, sources, issues) -> CanaryState:
-        """:meth:`_forward_phase` from the single verify and write ops (the TPU's path: Mosaic kernels).
-
-        Every verify reads its buffer before any write of the phase; their rows come out of one prefix sum and are
-        gathered before the in-place stores, and all rows land in the ring at once, in SGLang's launch order.
-        """
-        checked = self._group(state, batch, rows, g)
-        if issues is not None:  # the HEAD's INVALID_INPUT rows: the rows' and tokens', then the table's
-            state = self._append_issues(
-                state, _inputs.Issues.concat([_inputs.Issues.unstacked(issues), checked.table_issues]), g
-            )
-        buffers, capacity = state.buffers(g), state.device.violation_log.ring_capacity
-        check_token = self.config.enable_verify_token_assert
-        verifies = [
-            self._verify(buffers.buffer(phase, h), checked, g, phase, h, sources, check_expected_token=check_token)
-            for h in self.halves
-        ]
-        verify_rows = _ops.pending_rows([(v.flags, v.build_rows) for v in verifies], capacity)
-        store_after = _ring.after(*(p.rows for p in verify_rows))
-        writes = []
-        for h in self.halves:
-            buf, launch = _ops.write_launch(
-                buffers.buffer(phase, h),
-                checked.write_plan,
-                batch.input_ids,
-                batch.positions,
-                checked.out_cache_loc,
-                state.device.enable_chain_position_assert,
-                tag=g.tag(phase, h),
-                real_kv_sources=sources.get(g, h),
-                real_kv_hash_mode=self.config.real_kv_hash_mode,
-                expected_inputs=self._expected_inputs(batch),
-                backend=self.config.backend,
-                store_after=store_after,
-                req_pool_indices=batch.req_pool_indices,
-            )
-            buffers = buffers.with_buffer(phase, h, buf)
-            writes.append(launch)
-        write_rows = _ops.pending_rows([(w.flags, w.build_rows) for w in writes], capacity)
-        in_launch_order = [p for pair in zip(verify_rows, write_rows, strict=True) for p in pair]
-        launches = [x for pair in zip(verifies, writes, strict=True) for x in pair]
-        device = _ops.apply(state.device, in_launch_order, launches)
-        overflows = state.verify_overflows
-        if phase is Phase.HEAD:  # only the HEAD phase counts overflows: the TAIL phase rebuilds the identical plan
-            overflows = phase_common.count_overflow(overflows, checked.verify_plan.enable == 0)
-        return dataclasses.replace(state, device=device, verify_overflows=overflows, **{g.name: buffers})
-
-    def _rows(self, state: CanaryState, batch: CanaryBatch) -> batch_checks.Checked:
-        token_pool = state.device.req_to_verify_expected_tokens
-        return _inputs.check_rows(
-            batch,
-            padding=self.pool.padding,
-            table_rows=batch.req_to_token.shape[0],
-            context_len=batch.req_to_token.shape[1],
-            num_slots=self.pool.num_slots,
-            token_ids_width=token_pool.shape[1] if self.config.enable_verify_token_assert else None,
-            backend=self.config.backend,
-        )
-
-    def _group(
-        self, state: CanaryState, batch: CanaryBatch, rows: batch_checks.Checked, g: _pool.Group
-    ) -> _inputs.Group:
-        token_pool = state.device.req_to_verify_expected_tokens if self.config.enable_verify_token_assert else None
-        return _inputs.check_group(
-            batch,
-            rows,
-            window=g.window,
-            num_slots=g.num_slots,
-            full_num_slots=self.pool.num_slots,
-            verify_capacity=g.verify_capacity,
-            token_pool=token_pool,
-            token_offset=self.pool.kv_token_id_vs_position_offset,
-        )
-
-    def _verify(self, buf, checked, g, phase, half, sources, *, check_expected_token) -> _ops.Launch:
-        """A verify launch of a :class:`_inputs.Group` (forward phases) or a bare :class:`VerifyPlan` (sweeps)."""
-        plan, entry_requests = (
-            (checked, None) if isinstance(checked, _plans.VerifyPlan) else (checked.verify_plan, checked.entry_requests)
-        )
-        return _ops.verify_launch(
-            buf,
-            plan,
-            tag=g.tag(phase, half),
-            real_kv_sources=sources.get(g, half),
-            real_kv_hash_mode=self.config.real_kv_hash_mode,
-            check_expected_token=check_expected_token,
-            backend=self.config.backend,
-            entry_requests=entry_requests,
-        )
-
-    def _expected_inputs(self, batch: CanaryBatch) -> tuple[jax.Array, jax.Array] | None:
-        """The write input assert's oracle ``(tokens, positions)``, or None when the assert is off."""
-        if not self.config.enable_write_input_assert:
-            return None
-        positions = batch.positions if batch.expected_positions is None else batch.expected_positions
-        return batch.expected_input_ids, positions
-
-    def _update_expected_tokens(
-        self, state: CanaryState, batch: CanaryBatch, rows: batch_checks.Checked
-    ) -> CanaryState:
-        """Scatters the batched requests' token history into the expected-token pool (SGLang's snapshot scatter)."""
-        if not self.config.enable_verify_token_assert:
-            return state
-        pool_tokens = state.device.req_to_verify_expected_tokens
-        # Rows that are not requests (padding, or rejected by the checks) go to an index past the pool: dropped.
-        target = jnp.where(rows.active != 0, batch.req_pool_indices, pool_tokens.shape[0])
-        source = batch.token_ids[jnp.clip(batch.req_pool_indices, 0, batch.token_ids.shape[0] - 1)]
-        pool_tokens = pool_tokens.at[target].set(source, mode="drop")
-        device = dataclasses.replace(state.device, req_to_verify_expected_tokens=pool_tokens)
-        return dataclasses.replace(state, device=device)
-
-    # -- checks of what only this layer knows ----------------------------------------------------------------------
-
-    def _check_no_swa(self, op: str) -> None:
-        if self.pool.swa is not None:
-            raise NotImplementedError(f"{op} covers the FULL pool only; this pool has an SWA group (CanaryPool.swa)")
-
-    def _check_state(self, state) -> None:
-        """``state`` is shaped as this canary's ``init_state()`` (a state of another canary reads out of range)."""
-        if not isinstance(state, CanaryState):
-            raise TypeError(f"state must be a CanaryState (from KvCanary.init_state); got {type(state).__name__}")
-        if not self.enabled:
-            return
-        hint = "it was allocated by another canary; use this canary's init_state()"
-        check_not_donated(state)
-        capacity = state.device.violation_log.ring_capacity
-        if capacity != self.config.ring_capacity:
-            raise ValueError(
-                f"state's ring holds {capacity} rows but config.ring_capacity={self.config.ring_capacity}: {hint}"
-            )
-        pool = state.device.req_to_verify_expected_tokens
-        want_pool = (self.pool.max_reqs, self.pool.max_context_len) if self.config.enable_verify_token_assert else None
-        if (None if pool is None else tuple(pool.shape)) != want_pool:
-            raise ValueError(
-                f"state's expected-token pool is {None if pool is None else tuple(pool.shape)}, but this canary "
-                f"needs {want_pool} (config.enable_verify_token_assert={self.config.enable_verify_token_assert}): {hint}"
-            )
-        for g in self.groups:
-            buffers = state.buffers(g)
-            if buffers is None:
-                raise ValueError(f"state has no {g.name.upper()} buffers (state.{g.name} is None): {hint}")
-            for phase in (Phase.HEAD, Phase.TAIL):
-                for half in Half:
-                    buf = buffers.buffer(phase, half)
-                    name = f"state.{g.name}.{_pool.GroupBuffers.field_name(phase, half)}"
-                    if half in self.halves:
-                        checks.array(name, buf, dtype=jnp.uint32, shape=(g.num_slots, 4, 2))
-                    elif buf is not None:
-                        raise ValueError(f"{name} is set but CanaryPool.with_v is False: {hint}")
-        if state.fingerprint is not None and state.fingerprint != self.fingerprint:
-            raise ValueError(
-                f"state was allocated by a canary of another config or pool (fingerprint {state.fingerprint:#010x}, "
-                f"this canary's {self.fingerprint:#010x}): its records mean something else here; use this canary's "
-                "init_state()"
-            )
-
-    def _checked_batch(self, state, batch) -> CanaryBatch:
-        """Checks the batch's arrays and what the config needs of it; returns it with every field a jax array.
-
-        Shapes, dtypes and presence are static, so they are checked here, at trace time, naming the field; the
-        values are checked in the step (:mod:`kvcanary_jax.runtime._inputs`).
-        """
-        self._check_state(state)
-        if not isinstance(batch, CanaryBatch):
-            raise TypeError(f"batch must be a CanaryBatch; got {type(batch).__name__}")
-        arrays = {}
-        for field in dataclasses.fields(CanaryBatch):
-            x = getattr(batch, field.name)
-            if x is None:
-                if field.name in _REQUIRED_FIELDS:
-                    raise TypeError(f"batch.{field.name} is required (an int32 array); got None")
-            elif not hasattr(x, "shape") or not hasattr(x, "dtype"):
-                raise TypeError(f"batch.{field.name} must be an int32 array; got {type(x).__name__}")
-            else:
-                arrays[field.name] = jnp.asarray(x)  # a host (numpy) batch works eagerly too
-        rows = {f"batch.{n}": arrays[n] for n in ("req_pool_indices", "prefix_lens", "extend_lens")}
-        tokens = {f"batch.{n}": arrays[n] for n in ("input_ids", "positions", "out_cache_loc")}
-        if self.config.enable_write_input_assert:
-            if "expected_input_ids" not in arrays:
-                raise ValueError(
-                    "config.enable_write_input_assert compares written tokens with batch.expected_input_ids, but it "
-                    "is None; pass the oracle's tokens (i32[T]) or turn the assert off"
-                )
-            tokens.update(
-                {f"batch.{n}": arrays[n] for n in ("expected_input_ids", "expected_positions") if n in arrays}
-            )
-        for group in (rows, tokens):
-            for name, x in group.items():
-                checks.array(name, x, dtype=jnp.int32, ndim=1)
-                if not x.shape[0]:
-                    raise ValueError(
-                        f"{name} needs at least one entry (shapes are static: pad it); got {name}.shape=(0,)"
-                    )
-            checks.same_length(group)
-        table = arrays["req_to_token"]
-        checks.array("batch.req_to_token", table, dtype=jnp.int32, ndim=2)
-        if 0 in table.shape:  # the plans gather from it (clamping), so each axis needs an entry
-            raise ValueError(
-                f"batch.req_to_token needs at least one row and one column; got batch.req_to_token.shape={table.shape}"
-            )
-        if self.pool.swa is not None:
-            lut = arrays.get("full_to_swa_index_mapping")
-            if lut is None:
-                raise ValueError(
-                    "the pool has an SWA group, so batch.full_to_swa_index_mapping (i32[num_slots + 1], the full->SWA "
-                    "slot table) is required"
-                )
-            checks.array("batch.full_to_swa_index_mapping", lut, dtype=jnp.int32, ndim=1)
-            if lut.shape[0] < self.pool.num_slots:
-                raise ValueError(
-                    f"batch.full_to_swa_index_mapping must map every full-pool slot (i32[num_slots + 1], "
-                    f"num_slots={self.pool.num_slots}); got batch.full_to_swa_index_mapping.shape={tuple(lut.shape)}"
-                )
-        if self.config.enable_verify_token_assert:
-            if "token_ids" not in arrays or "token_ids_lens" not in arrays:
-                raise ValueError(
-                    "config.enable_verify_token_assert needs batch.token_ids (i32[max_reqs, max_context_len]) and "
-                    "batch.token_ids_lens (i32[bs]); pass the requests' token history or turn the assert off"
-                )
-            pool_shape = state.device.req_to_verify_expected_tokens.shape
-            if tuple(table.shape) != tuple(pool_shape):
-                raise ValueError(
-                    f"batch.req_to_token must have CanaryPool's shape (max_reqs, max_context_len)={tuple(pool_shape)} "
-                    f"while the verify-token assert keeps a token pool of that shape; got batch.req_to_token.shape="
-                    f"{tuple(table.shape)}"
-                )
-            checks.array("batch.token_ids", arrays["token_ids"], dtype=jnp.int32, shape=pool_shape)
-            checks.array(
-                "batch.token_ids_lens",
-                arrays["token_ids_lens"],
-                dtype=jnp.int32,
-                shape=arrays["req_pool_indices"].shape,
-            )
-        return dataclasses.replace(batch, **arrays)
-
-    def _check_sources(self, sources) -> None:
-        if not isinstance(sources, _pool.KvSources):
-            raise TypeError(
-                f"kv_cache_sources must be KvSources (see KvCanary.kv_sources); got {type(sources).__name__}"
-            )
-        launched = {f"{g.name}_{h.name.lower()}": (g, h) for g in self.groups for h in self.halves}
-        for field in dataclasses.fields(_pool.KvSources):
-            value, arg = getattr(sources, field.name), f"kv_cache_sources.{field.name}"
-            if field.name in launched:
-                realkv.validate_sources(value, num_slots=launched[field.name][0].num_slots, arg=arg)
-            elif value:
-                raise ValueError(
-                    f"{arg} holds sources, but no launch of this canary reads them (CanaryPool.swa="
-                    f"{self.pool.swa!r}, with_v={self.pool.with_v})"
-                )
-        if self.config.real_kv_hash_mode == RealKvHashMode.NONE:
-            return
-        for g in self.groups:
-            for half in self.halves:
-                if not sources.get(g, half):
-                    name = f"{g.name}_{half.name.lower()}"
-                    raise ValueError(
-                        f"real_kv_hash_mode={self.config.real_kv_hash_mode.name} but kv_cache_sources has no "
-                        f"{name} source; pass kv_sources({name}=<layer-0 {half.name} array of the "
-                        f"{g.name.upper()} pool>), or set CanaryConfig(real_kv_hash_mode='none') to check chains only"
-                    )
+        device = issues.append(state.device, g.tag(Phase.HEAD, Half.K))  # no launch of SGLang's: no counter moves
+        return dataclasses.replace(state, device=device, **{g.name: group_buffers})

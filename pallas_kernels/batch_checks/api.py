@@ -27,6 +27,8 @@ def check(
     context_len: int,
     num_slots: int,
     token_ids_width: int | None = None,
+    full_to_swa_index_mapping: jax.Array | None = None,
+    swa_num_slots: int | None = None,
     backend: str = "auto",
 ) -> Checked:
     """Checks a batch's rows and new slots; says which rows are requests (``reference`` states the rules).
@@ -40,12 +42,14 @@ def check(
       table_rows, context_len: static, ``req_to_token``'s shape (request rows must be below ``table_rows``).
       num_slots: static, the FULL pool's slots (new slots must be in ``[1, num_slots)``).
       token_ids_width: static, the expected-token pool's width (the verify-token check is on), or None.
+      full_to_swa_index_mapping: i32[num_slots + 1] the full->SWA slot table of an SWA group, or None (none).
+      swa_num_slots: static, the SWA group's slots; with ``full_to_swa_index_mapping`` only.
       backend: ``"xla"`` (``reference``), ``"pallas"`` (the Triton kernel on GPU), ``"interpret"`` (it,
         interpreted) or ``"auto"`` (the Triton kernel on GPU, else ``"xla"``). There is no Mosaic kernel: ``"auto"``
         runs ``"xla"`` on TPU.
 
     Returns:
-      :class:`Checked`, identical on every backend.
+      :class:`Checked`, identical on every backend (``swa_issues`` with an SWA group: jnp on every backend).
 
     Raises:
       ValueError, TypeError: for a wrong shape, dtype or static argument, naming it.
@@ -74,6 +78,12 @@ def check(
         checks.array("token_ids_lens", token_ids_lens, dtype=jnp.int32, shape=(num_rows,))
     elif token_ids_lens is not None:
         raise ValueError("token_ids_lens is checked against token_ids_width: give both, or neither")
+    lut = full_to_swa_index_mapping
+    if (lut is None) != (swa_num_slots is None):
+        raise ValueError("full_to_swa_index_mapping and swa_num_slots check an SWA group's slots: give both, or neither")
+    if lut is not None:
+        checks.array("full_to_swa_index_mapping", lut, dtype=jnp.int32, ndim=1)
+        swa_num_slots = checks.positive_int("swa_num_slots", swa_num_slots)
     static = dict(
         padding=padding,
         table_rows=table_rows,
@@ -91,4 +101,10 @@ def check(
             return xla(*arrays)
         return pallas_triton.check(*arrays, interpret=interpret, **static)
 
-    return backends.dispatch(backend, xla=xla, triton=triton, mosaic=None)(*arrays)
+    checked = backends.dispatch(backend, xla=xla, triton=triton, mosaic=None)(*arrays)
+    if lut is None:
+        return checked
+    swa = reference.swa_issues(
+        checked, req_pool_indices, prefix_lens, out_cache_loc, lut, num_slots=num_slots, swa_num_slots=swa_num_slots
+    )
+    return checked._replace(swa_issues=swa)

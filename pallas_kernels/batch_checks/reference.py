@@ -39,6 +39,7 @@ class Checked(NamedTuple):
       issues: i32[8, n] one candidate per column (rows ``phase.common.INPUT_ISSUE_FIELDS``; problem 0: none): each
         row's first problem (R columns), then, with ``token_ids_width``, each request's ``token_ids_lens`` (R), then
         each token's new slot (T): the FULL group's candidates, in ring order.
+      swa_issues: i32[8, T] the SWA group's candidates (:func:`swa_issues`), or None without an SWA group.
     """
 
     active: jax.Array
@@ -46,6 +47,7 @@ class Checked(NamedTuple):
     span_starts: jax.Array
     token_rows: jax.Array
     issues: jax.Array
+    swa_issues: jax.Array | None = None
 
 
 def padding_rows(rpi: jax.Array, padding: str) -> jax.Array:
@@ -224,6 +226,42 @@ def check(
         span_starts=span_starts,
         token_rows=token_rows,
         issues=jnp.concatenate(columns, axis=1),
+    )
+
+
+def swa_issues(
+    checked: Checked,
+    req_pool_indices: jax.Array,
+    prefix_lens: jax.Array,
+    out_cache_loc: jax.Array,
+    full_to_swa_index_mapping: jax.Array,
+    *,
+    num_slots: int,
+    swa_num_slots: int,
+) -> jax.Array:
+    """i32[8, T]: an SWA group's candidates, one per token: what ``full_to_swa_index_mapping`` makes of the new
+    slots the FULL group accepts, against the SWA pool's ``swa_num_slots`` (``phase.common.slot_issue``; the FULL
+    group reports the others). A request with a bad FULL slot writes nothing, so none of its tokens is checked
+    here. The context is the FULL group's (:func:`token_position_and_request`)."""
+    token_rows, active = checked.token_rows, checked.active
+    t = jnp.arange(out_cache_loc.shape[0], dtype=jnp.int32)
+    row_of = jnp.maximum(token_rows, 0)
+    live = live_tokens(token_rows, active)
+    position, request = token_position_and_request(
+        t, prefix_lens[row_of], checked.span_starts[row_of], req_pool_indices[row_of], live
+    )
+    rejected = phase_common.slot_rejected(out_cache_loc, None, None, full_slots=num_slots, group_slots=num_slots)
+    unwritten = segment_any(live & rejected, token_rows, active.shape[0])
+    full_loc = jnp.where(live & ~unwritten[row_of], out_cache_loc, -1)
+    problem, swa_loc = phase_common.slot_issue(
+        full_loc,
+        *phase_common.lut_reader(full_to_swa_index_mapping),
+        full_slots=num_slots,
+        group_slots=swa_num_slots,
+    )
+    field = layout.INPUT_FIELD_FULL_TO_SWA_INDEX_MAPPING
+    return _columns(
+        problem, field, swa_loc, limit=swa_num_slots, slot=full_loc, position=position, entry=t, request=request
     )
 
 

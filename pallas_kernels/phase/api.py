@@ -9,10 +9,13 @@ import jax.numpy as jnp
 
 from pallas_kernels import backend as backends
 from pallas_kernels import checks, layout, realkv
-from pallas_kernels.phase import common, pallas_triton, reference
+from pallas_kernels.phase import common, pallas_mosaic, pallas_triton, reference
 
 Batch = common.Batch
 Log = common.Log
+PhaseSpec = common.PhaseSpec
+INPUT_ISSUE_FIELDS = common.INPUT_ISSUE_FIELDS  # the rows of ``input_issues``
+input_row = common.input_row  # the eight fields of an INVALID_INPUT row, as the phase writes them
 
 
 def _check_batch(batch: Batch) -> tuple[int, int]:
@@ -94,6 +97,40 @@ def phase(
     input_issues: jax.Array | None = None,
     backend: str = "auto",
 ) -> tuple[tuple[jax.Array, ...], Log, jax.Array]:
+    """:func:`run` with the :class:`PhaseSpec` given by its fields (``tags`` ... ``skip_bad_requests``)."""
+    spec = PhaseSpec(
+        tags=tags,
+        real_kv_hash_mode=real_kv_hash_mode,
+        verify_capacity=verify_capacity,
+        window=window,
+        token_offset=token_offset,
+        full_slots=full_slots,
+        check_table=check_table,
+        skip_bad_requests=skip_bad_requests,
+    )
+    return run(
+        buffers,
+        log,
+        batch,
+        enable_chain_position_assert,
+        spec,
+        real_kv_sources=real_kv_sources,
+        input_issues=input_issues,
+        backend=backend,
+    )
+
+
+def run(
+    buffers: Sequence[jax.Array],
+    log: Log,
+    batch: Batch,
+    enable_chain_position_assert: jax.Array,
+    spec: PhaseSpec,
+    *,
+    real_kv_sources: Sequence[Sequence[realkv.RealKvSource]] | None = None,
+    input_issues: jax.Array | None = None,
+    backend: str = "auto",
+) -> tuple[tuple[jax.Array, ...], Log, jax.Array]:
     """One HEAD or TAIL phase of a group: plans, then per half verify K/V and write K/V, rows, counters.
 
     The effects equal the verify and write ops run one launch at a time in SGLang's order (verify K, write K,
@@ -105,36 +142,22 @@ def phase(
         rows' context i32[capacity, 3] and the verify-overflow count i32[1]).
       batch: :class:`Batch`, the step's i32 arrays (R requests, T tokens).
       enable_chain_position_assert: i32[1].
-      tags: static launch tag per half.
+      spec: the static arguments (:class:`PhaseSpec`): one tag per buffer, each below the log's tag count.
       real_kv_sources: per half, up to 4 sources (None: none).
-      real_kv_hash_mode: NONE=0, PARTIAL=1 or ALL=2.
-      verify_capacity: static verify-plan capacity (positive).
-      window: static sliding window (> 0 for an SWA group, which also needs the batch's LUT).
-      token_offset: static KV-position to token-id offset of the verify-token check.
-      full_slots: static slot count of the FULL pool (the range of ``req_to_token``'s values); None: the buffers'.
-        Plan entries whose slots the pools cannot hold are left out (``common.plan_slots``); tokens whose slot is
-        outside this group's pool are skipped.
-      check_table: report those ``req_to_token`` values of the listed plan entries (the first
-        ``verify_capacity`` cached positions, overflow or not) as ``INVALID_INPUT`` rows, tagged ``tags[0]``, ahead
-        of the launches' rows (``common.slot_issue``, ``common.input_row``); for the phase that checks the
-        batch (the HEAD's).
-      skip_bad_requests: static; write nothing for the tokens of a row that is not a request (``batch.active``),
-        nor for any token of a request with a new slot the group cannot store (``common.slot_rejected``): a
-        partial write would trip the chain-position assert. Off, each token's slot alone decides. (The caller
-        reports the rejected slots: ``input_issues``.)
       input_issues: i32[8, n] ``INVALID_INPUT`` candidates the caller checked itself, one per column (rows
-        ``common.INPUT_ISSUE_FIELDS``: problem, 0 for none; field; value; limit; slot; position; batch entry;
-        request row), placed first, in column order, tagged ``tags[0]``; None: none.
-      backend: ``"xla"`` (``reference``), ``"pallas"`` (the Triton kernels on GPU), ``"interpret"`` (them,
-        interpreted) or ``"auto"`` (the Triton kernels on GPU, else ``"xla"``). There are no Mosaic kernels:
-        ``"pallas"`` lowered for TPU and ``"interpret_tpu"`` raise (the runner uses the per-launch ops there).
+        ``INPUT_ISSUE_FIELDS``: problem, 0 for none; field; value; limit; slot; position; batch entry; request
+        row), placed first, in column order, tagged ``spec.tags[0]``; None: none. (With
+        ``spec.skip_bad_requests``, the caller reports the rejected slots here.)
+      backend: ``"xla"`` (``reference``), ``"pallas"`` (the Triton kernels on GPU, ``pallas_mosaic`` on TPU),
+        ``"interpret"`` / ``"interpret_tpu"`` (those, interpreted) or ``"auto"`` (``"pallas"`` on GPU and TPU,
+        else ``"xla"``).
 
     Returns:
       ``(buffers, log, enable)``: new buffers, new log, and i32[1] 0 when the verify plan overflowed.
 
     Raises:
       ValueError, TypeError: for a wrong shape, dtype or static argument, naming it.
-      NotImplementedError: for a backend without a fused phase on the platform it is lowered for.
+      NotImplementedError: ``"pallas"`` lowered for a platform other than GPU or TPU.
     """
     buffers = tuple(buffers) if isinstance(buffers, (tuple, list)) else buffers
     if not isinstance(buffers, tuple) or len(buffers) not in (1, 2):
@@ -146,16 +169,12 @@ def phase(
     _check_log(log)
     _check_batch(batch)
     checks.array("enable_chain_position_assert", enable_chain_position_assert, dtype=jnp.int32, shape=(1,))
-    num_tags = log.kernel_run_counters.shape[0]
-    if not isinstance(tags, (tuple, list)) or len(tags) != len(buffers) or len(set(tags)) != len(tags):
-        raise ValueError(f"tags must hold one distinct launch tag per buffer; got {tags=} for {len(buffers)} buffers")
-    # int(): a CanaryLaunchTag becomes a plain int; a bool stays, so static_int rejects it.
-    tags = tuple(
-        checks.static_int(
-            f"tags[{h}]", t if isinstance(t, bool) or not isinstance(t, int) else int(t), maximum=num_tags
-        )
-        for h, t in enumerate(tags)
-    )
+    if not isinstance(spec, PhaseSpec):
+        raise TypeError(f"spec must be a pallas_kernels.phase.api.PhaseSpec; got {type(spec).__name__}")
+    if len(spec.tags) != len(buffers):
+        raise ValueError(f"tags must hold one distinct launch tag per buffer; got {spec.tags} for {len(buffers)} buffers")
+    for h, tag in enumerate(spec.tags):
+        checks.static_int(f"tags[{h}]", tag, maximum=log.kernel_run_counters.shape[0])
     real_kv_sources = real_kv_sources if real_kv_sources is not None else ((),) * len(buffers)
     if not isinstance(real_kv_sources, (tuple, list)) or len(real_kv_sources) != len(buffers):
         raise ValueError(f"real_kv_sources must hold one tuple of sources per buffer; got {real_kv_sources!r:.80}")
@@ -163,40 +182,21 @@ def phase(
         realkv.validate_sources(s, num_slots=num_slots, arg=f"real_kv_sources[{h}]")
         for h, s in enumerate(real_kv_sources)
     )
-    checks.static_int("real_kv_hash_mode", real_kv_hash_mode, maximum=layout.REAL_KV_ALL + 1)
-    checks.positive_int("verify_capacity", verify_capacity)
-    checks.static_int("window", window)
-    checks.static_int("token_offset", token_offset, minimum=-(2**31))
-    if full_slots is not None:
-        full_slots = checks.positive_int("full_slots", full_slots)
-    for name, flag in (("check_table", check_table), ("skip_bad_requests", skip_bad_requests)):
-        if not isinstance(flag, bool):
-            raise TypeError(f"{name} must be a bool; got {flag!r}")
     if input_issues is not None:
-        fields = len(common.INPUT_ISSUE_FIELDS)
-        checks.array("input_issues", input_issues, dtype=jnp.int32, shape=(fields, None))
+        checks.array("input_issues", input_issues, dtype=jnp.int32, shape=(len(INPUT_ISSUE_FIELDS), None))
         if input_issues.shape[1] == 0:
             input_issues = None
-    if window > 0 and batch.full_to_swa_index_mapping is None:
-        raise ValueError(f"window={window} needs batch.full_to_swa_index_mapping (the full->SWA LUT)")
-    static = dict(
-        tags=tags,
-        real_kv_hash_mode=real_kv_hash_mode,
-        verify_capacity=verify_capacity,
-        window=window,
-        token_offset=token_offset,
-        full_slots=full_slots,
-        check_table=check_table,
-        skip_bad_requests=skip_bad_requests,
-    )
+    if spec.window > 0 and batch.full_to_swa_index_mapping is None:
+        raise ValueError(f"window={spec.window} needs batch.full_to_swa_index_mapping (the full->SWA LUT)")
 
     def xla(buffers, log, batch, cpa, sources, issues):
-        return reference.phase(buffers, log, batch, cpa, real_kv_sources=sources, input_issues=issues, **static)
+        return reference.phase(buffers, log, batch, cpa, sources, issues, spec)
 
-    def triton(buffers, log, batch, cpa, sources, issues, *, interpret):
-        return pallas_triton.phase(
-            buffers, log, batch, cpa, sources, interpret=interpret, input_issues=issues, **static
-        )
+    def kernels(module):  # pallas_triton or pallas_mosaic: the same contract
+        def call(buffers, log, batch, cpa, sources, issues, *, interpret):
+            return module.phase(buffers, log, batch, cpa, sources, issues, spec=spec, interpret=interpret)
 
-    run = backends.dispatch(backend, xla=xla, triton=triton, mosaic=None)
-    return run(buffers, log, batch, enable_chain_position_assert, real_kv_sources, input_issues)
+        return call
+
+    call = backends.dispatch(backend, xla=xla, triton=kernels(pallas_triton), mosaic=kernels(pallas_mosaic))
+    return call(buffers, log, batch, enable_chain_position_assert, real_kv_sources, input_issues)

@@ -7,18 +7,72 @@ function and inside a Pallas kernel body.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import hash64, layout, records
+from pallas_kernels import checks, hash64, layout, records
 
 # Per-token write flags of the chain walk (one i32 word per token and half).
 FLAG_WRITTEN = 1
 FLAG_CHAIN_POSITION = 2  # the chain-position assert failed: one WRITE_POSITION row
 INPUT_BITS = layout.FAIL_WRITE_TOKEN | layout.FAIL_WRITE_POSITION  # the input assert's row bits, kept as they are
 _INT32_MAX = 2**31 - 1
+
+
+@dataclasses.dataclass(frozen=True)
+class PhaseSpec:
+    """A phase's static arguments as one hashable value (a ``jax.jit`` static argument); its own values are
+    checked here, the ones that depend on the arrays by ``api.phase``.
+
+    Attributes:
+      tags: the launch tag of each half (K, then V); a half's verify and write share it.
+      real_kv_hash_mode: NONE=0, PARTIAL=1 or ALL=2 (the real-KV sources folded into REAL_KV_HASH).
+      verify_capacity: the verify plan's capacity (positive); a batch with more entries skips its verify.
+      window: > 0 verifies only the last ``window`` cached positions (an SWA group, which needs the batch's LUT).
+      token_offset: the token at KV position p is token p + offset (the verify-token check).
+      full_slots: the FULL pool's slot count (the range of ``req_to_token``'s values); None: the buffers'. Plan
+        entries whose slots the pools cannot hold are left out (:func:`plan_slots`); tokens whose slot is outside
+        the group's pool are skipped.
+      check_table: report those ``req_to_token`` values of the listed plan entries (the first
+        ``verify_capacity`` cached positions, overflow or not) as ``INVALID_INPUT`` rows, tagged ``tags[0]``,
+        ahead of the launches' rows (:func:`slot_issue`); for the phase that checks the batch (the HEAD's).
+      skip_bad_requests: write nothing for the tokens of a row that is not a request (``Batch.active``), nor for
+        any token of a request with a new slot the group cannot store (:func:`slot_rejected`): a partial write
+        would trip the chain-position assert. Off, each token's slot alone decides.
+    """
+
+    tags: tuple[int, ...]
+    real_kv_hash_mode: int = 0
+    verify_capacity: int = 1
+    window: int = 0
+    token_offset: int = 0
+    full_slots: int | None = None
+    check_table: bool = False
+    skip_bad_requests: bool = False
+
+    def __post_init__(self):
+        tags = self.tags
+        if not isinstance(tags, (tuple, list)) or len(set(tags)) != len(tags):
+            raise ValueError(f"tags must hold one distinct launch tag per buffer; got {tags=}")
+        # int(): a CanaryLaunchTag becomes a plain int; a bool stays, so static_int rejects it.
+        tags = tuple(
+            checks.static_int(f"tags[{h}]", t if isinstance(t, bool) or not isinstance(t, int) else int(t))
+            for h, t in enumerate(tags)
+        )
+        object.__setattr__(self, "tags", tags)
+        mode = checks.static_int("real_kv_hash_mode", self.real_kv_hash_mode, maximum=layout.REAL_KV_ALL + 1)
+        object.__setattr__(self, "real_kv_hash_mode", mode)
+        checks.positive_int("verify_capacity", self.verify_capacity)
+        checks.static_int("window", self.window)
+        checks.static_int("token_offset", self.token_offset, minimum=-(2**31))
+        if self.full_slots is not None:
+            object.__setattr__(self, "full_slots", checks.positive_int("full_slots", self.full_slots))
+        for name in ("check_table", "skip_bad_requests"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be a bool; got {getattr(self, name)!r}")
 
 
 class Batch(NamedTuple):
@@ -230,11 +284,6 @@ def token_row(write_offsets: jax.Array, i: jax.Array) -> jax.Array:
     return jnp.minimum(row, num_rows - 1)
 
 
-def row_context(request_row: jax.Array, expected_position: jax.Array, batch_entry: jax.Array) -> jax.Array:
-    """i32[..., 3] ring-row context (``Log.context``) from three i32 arrays of one shape."""
-    return jnp.stack([request_row, expected_position, batch_entry], axis=-1).astype(jnp.int32)
-
-
 def verify_row(
     tag: int,
     slot: jax.Array,
@@ -315,8 +364,3 @@ def input_row(
         hash64.from_i32(i32(request)),
         (jnp.full(problem.shape, layout.FAIL_INVALID_INPUT, jnp.uint32), high.astype(jnp.uint32)),
     ]
-
-
-def pack_row(fields: list[hash64.U64]) -> jax.Array:
-    """Eight u64 fields to ``u32[..., 8, 2]`` (the ring's row layout)."""
-    return jnp.stack([hash64.join(f) for f in fields], axis=-2)

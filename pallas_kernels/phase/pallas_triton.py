@@ -1,6 +1,6 @@
 """Fused phase kernels (Pallas Triton): one phase of a group (K and V together) in three launches.
 
-The per-launch path pays ~50 small kernels per decode step (plan build, prefix sums, row gathers, appends, counter
+The single ops pay ~50 small kernels per decode step (plan build, prefix sums, row gathers, appends, counter
 bumps; ``benchmarks/RESULTS.md``). Here a phase is:
 
   * ``kvcanary_phase_check``: programs ``[0, R)`` walk one request's write chain each (K and V side by side; the
@@ -13,7 +13,7 @@ bumps; ``benchmarks/RESULTS.md``). Here a phase is:
   * ``kvcanary_phase_ring``: every verify block or request with flags recomputes its entries (the same plan and
     check code) and writes its rows straight into the ring at ``index + rank``; the rank is the flag counts of the
     launches and programs before it (SGLang's order: verify K, write K, verify V, write V; plan-entry order within
-    a launch), so the ring is byte-identical to the per-launch path. The ``INVALID_INPUT`` rows come first: program
+    a launch), so the ring is byte-identical to the single launches'. The ``INVALID_INPUT`` rows come first: program
     0 places the caller's ``input_issues``, then every block with table issues places theirs. Clean programs only
     read their counts and exit. Program 0 also advances the write index and bumps the counters (and the
     verify-overflow count).
@@ -421,48 +421,26 @@ def _store_kernel(*refs, st: tc.Static):
 # -- entry point -------------------------------------------------------------------------------------------------
 
 
-@functools.partial(
-    jax.jit,
-    static_argnames=(
-        "tags",
-        "real_kv_hash_mode",
-        "verify_capacity",
-        "window",
-        "token_offset",
-        "full_slots",
-        "check_table",
-        "skip_bad_requests",
-        "interpret",
-        "config",
-    ),
-)
+@functools.partial(jax.jit, static_argnames=("spec", "interpret", "config"))
 def phase(
     buffers: Sequence[jax.Array],
     log: common.Log,
     batch: common.Batch,
     enable_chain_position_assert: jax.Array,
     real_kv_sources: Sequence[Sequence[realkv.RealKvSource]],
-    *,
-    tags: tuple[int, ...],
-    real_kv_hash_mode: int,
-    verify_capacity: int,
-    window: int = 0,
-    token_offset: int = 0,
-    full_slots: int | None = None,
-    check_table: bool = False,
-    skip_bad_requests: bool = False,
     input_issues: jax.Array | None = None,
+    *,
+    spec: common.PhaseSpec,
     interpret: bool = False,
     config: Config | None = None,
 ) -> tuple[tuple[jax.Array, ...], common.Log, jax.Array]:
     """Same contract as ``reference.phase``, in three Pallas launches (see the module docstring).
 
     Args:
-      buffers, log, batch, enable_chain_position_assert, real_kv_sources, tags, real_kv_hash_mode,
-      verify_capacity, window, token_offset, full_slots, check_table, skip_bad_requests, input_issues: as in
+      buffers, log, batch, enable_chain_position_assert, real_kv_sources, input_issues, spec: as in
       ``reference.phase``.
       interpret: run the kernels in Pallas interpret mode (any platform).
-      config: launch shapes; ``heuristic(verify_capacity, T)`` when None.
+      config: launch shapes; ``heuristic(spec.verify_capacity, T)`` when None.
 
     Returns:
       ``(buffers, log, enable)``, byte-identical to ``reference.phase``.
@@ -471,31 +449,31 @@ def phase(
     num_reqs, num_tokens = batch.req_pool_indices.shape[0], batch.input_ids.shape[0]
     group_slots = buffers[0].shape[0]
     halves = len(buffers)
-    config = config or heuristic(verify_capacity, num_tokens)
-    sources = tuple(tuple(s) if real_kv_hash_mode != layout.REAL_KV_NONE else () for s in real_kv_sources)
+    config = config or heuristic(spec.verify_capacity, num_tokens)
+    sources = tuple(tuple(s) if spec.real_kv_hash_mode != layout.REAL_KV_NONE else () for s in real_kv_sources)
     st = tc.Static(
         num_reqs=num_reqs,
         num_tokens=num_tokens,
-        tags=tuple(tags),
+        tags=spec.tags,
         specs=tuple(kernel_io.source_specs(s) for s in sources),
-        mode=real_kv_hash_mode,
-        capacity=verify_capacity,
-        window=window,
-        token_offset=token_offset,
+        mode=spec.real_kv_hash_mode,
+        capacity=spec.verify_capacity,
+        window=spec.window,
+        token_offset=spec.token_offset,
         has_lut=batch.full_to_swa_index_mapping is not None,
         has_pool=batch.token_pool is not None,
         has_inputs=batch.expected_input_ids is not None,
         config=config,
-        full_slots=full_slots or group_slots,
+        full_slots=spec.full_slots or group_slots,
         group_slots=group_slots,
         has_context=log.context is not None,
-        check_table=check_table,
-        skip_bad_requests=skip_bad_requests,
+        check_table=spec.check_table,
+        skip_bad_requests=spec.skip_bad_requests,
         num_issues=0 if input_issues is None else input_issues.shape[1],
         count_overflows=log.verify_overflows is not None,
     )
     inputs = tc.input_arrays(batch, enable_chain_position_assert, buffers, sources, interpret=interpret)
-    num_blocks = pl.cdiv(verify_capacity, config.verify_block)
+    num_blocks = pl.cdiv(spec.verify_capacity, config.verify_block)
     i32, u32 = jnp.int32, jnp.uint32
     call = functools.partial(compat.triton_call, num_warps=config.num_warps, num_stages=config.num_stages)
 
@@ -507,7 +485,7 @@ def phase(
     )
     checked = call(
         functools.partial(_check_kernel, st=st),
-        out_shape=(jax.ShapeDtypeStruct((halves + check_table, num_blocks), i32), *chain_outs),
+        out_shape=(jax.ShapeDtypeStruct((halves + spec.check_table, num_blocks), i32), *chain_outs),
         grid=(num_reqs + num_blocks,),
         name=f"kvcanary_phase_check_block={config.verify_block}",
         interpret=interpret,

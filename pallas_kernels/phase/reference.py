@@ -12,7 +12,6 @@ references; the Triton kernels of ``pallas_triton`` must give the same bytes.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -20,15 +19,12 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels import fusion, hash64, layout, realkv, records
+from pallas_kernels import fusion, hash64, layout, realkv, records, ring
 from pallas_kernels import prefix as prefix_sums
 from pallas_kernels.phase import common
 from pallas_kernels.verify import reference as verify_reference
 from pallas_kernels.write import reference as write_reference
 from pallas_kernels.write import store
-
-_INT32_MAX = 2**31 - 1
-
 
 class Plan(NamedTuple):
     """The verify and write plans of one phase (as ``kvcanary_jax.build_plans`` builds them, capacity = R)."""
@@ -112,46 +108,6 @@ def first_flagged(flags: jax.Array, capacity: int) -> tuple[jax.Array, jax.Array
     return jnp.sum(flags, dtype=jnp.int32), entries.astype(jnp.int32)
 
 
-def place(ring: jax.Array, context, write_index: jax.Array, pending):
-    """Writes each launch's rows at the write index in order where the fill-once ring has room (SPEC §1 Ring).
-
-    ``pending`` holds ``(count, rows u32[capacity, 8, 2], row_context i32[capacity, 3])`` per launch; ``context``
-    (the ring's, or None) gets each placed row's context. The index saturates at 2^31 - 1. Returns
-    ``(ring, context, write_index)``.
-    """
-    capacity = ring.shape[0]
-    row = jnp.arange(capacity, dtype=jnp.int32)
-    start = write_index[0]
-    for count, rows, row_context in pending:
-        k = row - start  # ring row start + k holds the launch's k-th row
-        fresh = (k >= 0) & (k < count)
-        at = jnp.clip(k, 0, capacity - 1)
-        ring = jnp.where(fresh[:, None, None], rows[at], ring)
-        if context is not None:
-            context = jnp.where(fresh[:, None], row_context[at], context)
-        start = start + jnp.minimum(count, _INT32_MAX - start)
-    return ring, context, start.reshape(1).astype(jnp.int32)
-
-
-def after(rows: jax.Array) -> jax.Array:
-    """A traced int32 zero that depends on ``rows`` (u32[capacity, 8, 2], gathered from a canary buffer).
-
-    Added to the slots of the buffer's in-place store, it orders the store after the gathers (materialised behind
-    an optimization barrier), so XLA neither schedules it first nor copies the whole buffer to keep its old bytes. Word [0, 7, 0] is a row's fail bits
-    (< 2^31), or whatever the row gather read for an empty launch, which is also a fail-bits word.
-    """
-    return lax.shift_right_logical(rows[0, 7, 0], jnp.uint32(31)).astype(jnp.int32)
-
-
-def bump(counters: jax.Array, increments: dict[int, jax.Array]) -> jax.Array:
-    """``counters[tag] += amount`` on u64 (lo, hi) counters; amounts are non-negative int32."""
-    tags = jnp.arange(counters.shape[0], dtype=jnp.int32)
-    add = jnp.zeros(counters.shape[:1], jnp.uint32)
-    for tag, amount in increments.items():
-        add = add + jnp.where(tags == tag, jnp.asarray(amount).astype(jnp.uint32), jnp.uint32(0))
-    return hash64.join(hash64.add(hash64.split(counters), (add, jnp.zeros_like(add))))
-
-
 def _table_rows(batch: common.Batch, plan: Plan, entries, tag: int, group_slots: int):
     """(rows, context) of the ``INVALID_INPUT`` rows of table-issue ``entries``."""
     batch_row, position = plan.entry_rows[entries], plan.positions[entries]
@@ -166,13 +122,13 @@ def _table_rows(batch: common.Batch, plan: Plan, entries, tag: int, group_slots:
         has_lut=batch.full_to_swa_index_mapping is not None,
         group_slots=group_slots,
     )
-    return common.pack_row(common.input_row(tag, **issue)), common.row_context(request, position, batch_row)
+    return ring.pack_row(common.input_row(tag, **issue)), ring.row_context(request, position, batch_row)
 
 
 def _input_issue_rows(input_issues: jax.Array, entries, tag: int):
     """(rows, context) of the caller's ``input_issues`` columns ``entries``."""
     at = dict(zip(common.INPUT_ISSUE_FIELDS, input_issues[:, entries], strict=True))
-    return common.pack_row(common.input_row(tag, **at)), common.row_context(at["request"], at["position"], at["entry"])
+    return ring.pack_row(common.input_row(tag, **at)), ring.row_context(at["request"], at["position"], at["entry"])
 
 
 def skip_rejected_requests(
@@ -198,8 +154,8 @@ def _verify_rows(batch: common.Batch, plan: Plan, loaded: Loaded, bits, entries,
     stored = tuple(at(field) for field in loaded.stored)
     fields = common.verify_row(tag, slot, prev, stored, at(loaded.expected_chain), token, bits[entries])
     batch_row = plan.entry_rows[entries]
-    context = common.row_context(batch.req_pool_indices[batch_row], plan.expected_positions[entries], batch_row)
-    return common.pack_row(fields), context
+    context = ring.row_context(batch.req_pool_indices[batch_row], plan.expected_positions[entries], batch_row)
+    return ring.pack_row(fields), context
 
 
 class Loaded(NamedTuple):
@@ -285,9 +241,91 @@ def _write_rows(batch: common.Batch, plan: Plan, loc, chain, input_bits, entries
     aux = hash64.where(is_chain_row, hash64.split(chain.expected_position[i]), input_aux)
     bits = jnp.where(is_chain_row, layout.FAIL_WRITE_POSITION, input_bits[i])
     prev_hash = hash64.split(chain.prev_hash[i])
-    rows = common.pack_row(common.write_row(tag, loc[i], position, token, expected_token, prev_hash, aux, bits))
+    rows = ring.pack_row(common.write_row(tag, loc[i], position, token, expected_token, prev_hash, aux, bits))
     batch_row = common.token_row(plan.write_offsets, i)
-    return rows, common.row_context(batch.req_pool_indices[batch_row], lax.bitcast_convert_type(aux[0], jnp.int32), i)
+    return rows, ring.row_context(batch.req_pool_indices[batch_row], lax.bitcast_convert_type(aux[0], jnp.int32), i)
+
+
+class Prepared(NamedTuple):
+    """What every backend's phase starts from (:func:`prepare`)."""
+
+    batch: common.Batch  # padded to one token at least, with its rows' roles
+    plan: Plan
+    loc: jax.Array  # i32[T] each token's slot in the group; -1 where it is skipped
+    pending: list  # the INVALID_INPUT rows, ``(count, rows, context)`` per set, placed before the launches'
+
+
+def prepare(
+    buffers: Sequence[jax.Array],
+    log: common.Log,
+    batch: common.Batch,
+    input_issues: jax.Array | None,
+    spec: common.PhaseSpec,
+) -> Prepared:
+    """The plan, the written slots and the ``INVALID_INPUT`` rows of a phase (arguments as in :func:`phase`)."""
+    batch = common.with_roles(common.pad_tokens(batch))  # the write chain needs at least one token
+    group_slots = buffers[0].shape[0]
+    full_slots = spec.full_slots or group_slots
+    plan = build_plan(
+        batch,
+        capacity=spec.verify_capacity,
+        window=spec.window,
+        token_offset=spec.token_offset,
+        full_slots=full_slots,
+        group_slots=group_slots,
+    )
+    gather_lut, lut_size = common.lut_reader(batch.full_to_swa_index_mapping)
+    loc = batch.out_cache_loc
+    if spec.skip_bad_requests:
+        loc = skip_rejected_requests(
+            batch, plan.write_offsets, gather_lut, lut_size, full_slots=full_slots, group_slots=group_slots
+        )
+    loc = common.write_slots(loc, gather_lut, lut_size, group_slots)
+    capacity, pending = log.ring.shape[0], []
+    if input_issues is not None:
+        count, entries = first_flagged(input_issues[0] != 0, capacity)
+        pending.append((count, *_input_issue_rows(input_issues, entries, spec.tags[0])))
+    if spec.check_table:
+        count, entries = first_flagged(plan.table_problems != 0, capacity)
+        pending.append((count, *_table_rows(batch, plan, entries, spec.tags[0], group_slots)))
+    return Prepared(batch, plan, loc, pending)
+
+
+def verify_rows(p: Prepared, loaded: Loaded, bits: jax.Array, tag: int, check: bool, capacity: int):
+    """``(count, rows, context)`` of one half's verify launch, from its ``loaded`` records and fail ``bits``;
+    materialised behind a barrier, so that XLA does not fuse the row gathers into the ring update, after the
+    store."""
+    count, entries = first_flagged(bits != 0, capacity)
+    return lax.optimization_barrier((count, *_verify_rows(p.batch, p.plan, loaded, bits, entries, tag, check)))
+
+
+def write_rows(p: Prepared, chain: write_reference.ChainOut, tag: int, capacity: int):
+    """``(count, rows, context)`` of one half's write launch, from its chain walk."""
+    input_bits = write_input_bits(p.batch, chain.written)
+    flags = jnp.stack([input_bits != 0, chain.position_assert_failed], axis=-1).reshape(-1)
+    count, entries = first_flagged(flags, capacity)
+    return (count, *_write_rows(p.batch, p.plan, p.loc, chain, input_bits, entries, tag))
+
+
+def finish(
+    log: common.Log, p: Prepared, pending: list, buffers: Sequence[jax.Array], written: jax.Array, tags: Sequence[int]
+) -> tuple[tuple[jax.Array, ...], common.Log, jax.Array]:
+    """Places the phase's rows in order and bumps its counters (a verify and a write per tag; ``written`` is a
+    half's bool[T] written tokens)."""
+    placed, context, write_index = ring.place(log.ring, log.context, log.write_index, pending)
+    entries = p.plan.active + jnp.sum(written, dtype=jnp.int32)
+    overflows = log.verify_overflows
+    if overflows is not None:
+        overflows = common.count_overflow(overflows, p.plan.enable == 0)
+    new_log = common.Log(
+        ring=placed,
+        write_index=write_index,
+        kernel_run_counters=ring.bump(log.kernel_run_counters, {tag: jnp.int32(2) for tag in tags}),
+        slot_run_counters=ring.bump(log.slot_run_counters, {tag: entries for tag in tags}),
+        context=context,
+        verify_overflows=overflows,
+    )
+    return tuple(buffers), new_log, p.plan.enable
 
 
 def phase(
@@ -295,17 +333,9 @@ def phase(
     log: common.Log,
     batch: common.Batch,
     enable_chain_position_assert: jax.Array,
-    *,
-    tags: Sequence[int],
     real_kv_sources: Sequence[Sequence[realkv.RealKvSource]],
-    real_kv_hash_mode: int,
-    verify_capacity: int,
-    window: int = 0,
-    token_offset: int = 0,
-    full_slots: int | None = None,
-    check_table: bool = False,
-    skip_bad_requests: bool = False,
-    input_issues: jax.Array | None = None,
+    input_issues: jax.Array | None,
+    spec: common.PhaseSpec,
 ) -> tuple[tuple[jax.Array, ...], common.Log, jax.Array]:
     """One phase of one group: per half, verify the plan's cached slots, then write this step's records.
 
@@ -315,57 +345,19 @@ def phase(
       batch: the step's arrays (:class:`common.Batch`); the token check is on when ``batch.token_pool`` is given,
         the write input assert when ``batch.expected_input_ids`` is.
       enable_chain_position_assert: i32[1].
-      tags: the launch tag of each half (its verify and its write share it).
       real_kv_sources: per half, the sources folded into REAL_KV_HASH (empty on HEAD phases).
-      real_kv_hash_mode: NONE, PARTIAL or ALL.
-      verify_capacity: the verify plan's static capacity; a batch with more entries skips its verify.
-      window: > 0 verifies only the last ``window`` cached positions (SWA); 0 verifies all.
-      token_offset: the token at KV position p is token p + offset (token check only).
-      full_slots: the FULL pool's slot count (``req_to_token``'s values); None: the buffers' (a FULL group).
-      check_table: report the listed plan entries' ``req_to_token`` values the pools cannot hold
-        (:func:`common.slot_issue`) as ``INVALID_INPUT`` rows tagged ``tags[0]``, ahead of the launches' rows.
-      skip_bad_requests: write nothing for the tokens of a row that is not a request, nor for any token of a
-        request with a new slot the group cannot store (:func:`skip_rejected_requests`); off, each token's slot
-        alone decides (skipped when < 0 or outside the group's pool).
       input_issues: i32[8, n] ``INVALID_INPUT`` candidates the caller checked (rows ``common.INPUT_ISSUE_FIELDS``;
-        problem 0: none), placed first, in order, tagged ``tags[0]``; or None.
+        problem 0: none), placed first, in order, tagged ``spec.tags[0]``; or None.
+      spec: the static arguments (:class:`common.PhaseSpec`).
 
     Returns:
       ``(buffers, log, enable)``: the new buffers and log, and i32[1] 0 when the verify plan overflowed.
     """
-    batch = common.with_roles(common.pad_tokens(batch))  # the write chain needs at least one token
-    group_slots = buffers[0].shape[0]
-    plan = build_plan(
-        batch,
-        capacity=verify_capacity,
-        window=window,
-        token_offset=token_offset,
-        full_slots=full_slots or group_slots,
-        group_slots=group_slots,
-    )
-    check = batch.token_pool is not None
-    gather_lut, lut_size = common.lut_reader(batch.full_to_swa_index_mapping)
-    loc = batch.out_cache_loc
-    if skip_bad_requests:
-        loc = skip_rejected_requests(
-            batch,
-            plan.write_offsets,
-            gather_lut,
-            lut_size,
-            full_slots=full_slots or group_slots,
-            group_slots=group_slots,
-        )
-    loc = common.write_slots(loc, gather_lut, lut_size, group_slots)
-    capacity = log.ring.shape[0]
-    pending, new_buffers = [], []
-    if input_issues is not None:
-        count, entries = first_flagged(input_issues[0] != 0, capacity)
-        pending.append((count, *_input_issue_rows(input_issues, entries, tags[0])))
-    if check_table:
-        count, entries = first_flagged(plan.table_problems != 0, capacity)
-        pending.append((count, *_table_rows(batch, plan, entries, tags[0], group_slots)))
+    p = prepare(buffers, log, batch, input_issues, spec)
+    batch, plan, loc = p.batch, p.plan, p.loc
+    group_slots, capacity = buffers[0].shape[0], log.ring.shape[0]
     loaded = load_halves(buffers, plan)
-    verify_kv, write_kv = fold_halves(real_kv_sources, plan, loc, real_kv_hash_mode, group_slots)
+    verify_kv, write_kv = fold_halves(real_kv_sources, plan, loc, spec.real_kv_hash_mode, group_slots)
     bits = verify_reference.loaded_bits(
         loaded.stored,
         loaded.expected_chain,
@@ -375,40 +367,16 @@ def phase(
         plan.expected_positions,
         plan.prev_slot_indices,
         plan.active,
-        check_expected_token=check,
+        check_expected_token=batch.token_pool is not None,
     )
     chains = walk_halves(loaded, plan, batch, loc, enable_chain_position_assert)
-    input_bits = write_input_bits(batch, chains.written)
-    write_flags = jnp.stack([input_bits != 0, chains.position_assert_failed], axis=-1).reshape(len(buffers), -1)
-    flagged = jax.vmap(functools.partial(first_flagged, capacity=capacity))  # every half's flags in one pass
-    verify_counts, verify_entries = flagged(bits != 0)
-    write_counts, write_entries = flagged(write_flags)
-    for h, (buf, tag) in enumerate(zip(buffers, tags, strict=True)):
-        # Materialised behind a barrier: otherwise XLA fuses the row gathers into the ring update, after the store.
-        verify_rows, verify_context = lax.optimization_barrier(
-            _verify_rows(batch, plan, half(loaded, h), bits[h], verify_entries[h], tag, check)
-        )
-        pending.append((verify_counts[h], verify_rows, verify_context))
+    pending, new_buffers = list(p.pending), []
+    for h, (buf, tag) in enumerate(zip(buffers, spec.tags, strict=True)):
+        verify = verify_rows(p, half(loaded, h), bits[h], tag, batch.token_pool is not None, capacity)
         chain = half(chains, h)
-        write_rows = _write_rows(batch, plan, loc, chain, input_bits[h], write_entries[h], tag)
-        pending.append((write_counts[h], *write_rows))
-
-        target = loc + after(verify_rows)  # the store waits for the verify rows read from this buffer
-        real_kv = half(write_kv, h)
+        pending += [verify, write_rows(p, chain, tag, capacity)]
+        target = loc + ring.after(verify[1])  # the store waits for the verify rows read from this buffer
         new_buffers.append(
-            store.store(buf, target, batch.input_ids, batch.positions, chain.prev_hash, real_kv, chain.written)
+            store.store(buf, target, batch.input_ids, batch.positions, chain.prev_hash, half(write_kv, h), chain.written)
         )
-    ring, context, write_index = place(log.ring, log.context, log.write_index, pending)
-    entries = plan.active + jnp.sum(chains.written[-1], dtype=jnp.int32)
-    overflows = log.verify_overflows
-    if overflows is not None:
-        overflows = common.count_overflow(overflows, plan.enable == 0)
-    new_log = common.Log(
-        ring=ring,
-        write_index=write_index,
-        kernel_run_counters=bump(log.kernel_run_counters, {tag: jnp.int32(2) for tag in tags}),
-        slot_run_counters=bump(log.slot_run_counters, {tag: entries for tag in tags}),
-        context=context,
-        verify_overflows=overflows,
-    )
-    return tuple(new_buffers), new_log, plan.enable
+    return finish(log, p, pending, new_buffers, chains.written[-1], spec.tags)

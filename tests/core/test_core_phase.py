@@ -15,6 +15,7 @@ import pytest
 import kvcanary_jax as kc
 from kvcanary_jax.core import _ops
 from kvcanary_jax.core._plans import translate
+from pallas_kernels.phase import api as phase_api
 from tests.pallas_kernels.phase_cases import RING_STARTS, make_case
 from tests.pallas_kernels.test_phase_kernel import VARIANTS
 
@@ -67,19 +68,22 @@ def _per_launch(buffers, log, batch, cpa, sources, *, tags, shape, backend):
 
 @functools.partial(jax.jit, static_argnames=("tags", "shape", "backend"))
 def _fused(buffers, log, batch, cpa, sources, *, tags, shape, backend):
-    return _ops.fused_phase(
-        _device(log, cpa, batch),
-        buffers,
-        batch,
+    spec = phase_api.PhaseSpec(
         tags=tags,
-        real_kv_sources=sources,
-        real_kv_hash_mode=kc.RealKvHashMode(shape.mode),
+        real_kv_hash_mode=shape.mode,
         verify_capacity=shape.capacity,
         window=shape.window,
         token_offset=shape.token_offset,
         full_slots=shape.num_slots,
         check_table=shape.check_table,  # valid tables: no INVALID_INPUT rows to add
         skip_bad_requests=False,
+    )
+    return _ops.fused_phase(
+        _device(log, cpa, batch),
+        buffers,
+        batch,
+        spec,
+        real_kv_sources=sources,
         input_issues=None,
         verify_overflows=jnp.zeros((1,), jnp.int32),
         backend=backend,
@@ -98,33 +102,3 @@ def test_fused_phase_is_the_launch_sequence(name):
     for *args, tags in cases:
         want = _per_launch(*args, tags=tags, shape=shape, backend="xla")
         chex.assert_trees_all_equal(_fused(*args, tags=tags, shape=shape, backend="xla"), want)
-
-
-def test_fused_and_per_launch_runner_phases_agree_over_a_demo_run():
-    """The runner's two phase paths leave the same state over demo steps (SWA group, every assert, prefill,
-    decode and speculative steps)."""
-    from tests.runtime.runner_testlib import demo_setup
-
-    setup = demo_setup(seed=3)
-    fused = jax.jit(functools.partial(_step, setup.canary, setup.layout, "_fused_phase"))
-    per_launch = jax.jit(functools.partial(_step, setup.canary, setup.layout, "_per_launch_phase"))
-
-    def compare(s, batch):
-        args = (s.params, s.kv_cache, s.canary_state, batch)
-        chex.assert_trees_all_equal(fused(*args), per_launch(*args))
-
-    for _ in range(4):
-        setup.step(before_forward=compare)
-
-
-def _step(canary, layout, method, params, kv, state, batch):
-    """The demo step, traced with the phase ``KvCanary._forward_phase`` runs on the xla backend bound to
-    ``method``."""
-    from kvcanary_jax.demo import loop
-
-    cls, original = type(canary), type(canary)._fused_phase
-    try:
-        cls._fused_phase = getattr(cls, method)
-        return loop.demo_step(canary, layout, params, kv, state, batch)
-    finally:
-        cls._fused_phase = original

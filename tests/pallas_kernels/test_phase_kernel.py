@@ -66,7 +66,8 @@ def _phase(
         skip_bad_requests=skip_bad_requests,
     )
     if config is not None:
-        return pallas_triton.phase(buffers, log, batch, cpa, sources, interpret=True, config=config, **kwargs)
+        spec = common.PhaseSpec(**{k: v for k, v in kwargs.items() if k != "input_issues"})
+        return pallas_triton.phase(buffers, log, batch, cpa, sources, issues, spec=spec, interpret=True, config=config)
     return api.phase(buffers, log, batch, cpa, real_kv_sources=sources, backend=backend, **kwargs)
 
 
@@ -114,6 +115,29 @@ def test_kernels_equal_reference(name):
     if not shape.window:  # the table checks cover the listed entries even when the verify overflows
         assert (-1 in _landed_tags(overflowing[1], out)) == shape.check_table
     assert grown > 0, "random records must make the launches append rows"
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_mosaic_phase_equals_reference(name):
+    """The TPU's phase (the Mosaic verify and write kernels, interpreted) gives the reference's bytes: rows of
+    every launch, a ring that fills, the runner's roles with skipped requests and input issues, an overflow."""
+    shape = VARIANTS[name]
+    cases = [
+        (make_case(10, shape, ring_start="empty", primed=True), {}),
+        (make_case(1, shape, ring_start="almost_full"), {}),
+        (make_case(30, shape, ring_start="mid", roles=True, masked=False), dict(skip_bad_requests=True)),
+        (make_case(99, shape, overflow=True), {}),
+    ]
+    issues = jnp.asarray(_random_issues(np.random.default_rng(5), 6))
+    grown = 0
+    for k, ((*args, tags), kwargs) in enumerate(cases):
+        args = (*args, issues) if k == 2 else args
+        kwargs = dict(kwargs, full_slots=shape.num_slots) if kwargs else kwargs
+        want = _phase(*args, tags=tags, shape=shape, backend="xla", **kwargs)
+        got = _phase(*args, tags=tags, shape=shape, backend="interpret_tpu", **kwargs)
+        chex.assert_trees_all_equal(got, want)
+        grown += _grew(args[1], want)
+    assert grown > 0, "the cases must append rows"
 
 
 @pytest.mark.parametrize("name", list(VARIANTS))
@@ -309,8 +333,6 @@ def test_api_checks_teach():
             tags=tags,
             verify_capacity=8,
         )
-    with pytest.raises(NotImplementedError, match="runs Mosaic kernels, and this op has none"):
-        call(buffers, tags=tags, backend="interpret_tpu")
     if jax.default_backend() != "gpu":
         with pytest.raises(NotImplementedError, match=r"backend='pallas'.*lowered for 'cpu'"):
             jax.jit(functools.partial(call, tags=tags, backend="pallas"))(buffers)

@@ -395,15 +395,15 @@ def test_the_rows_a_rejected_request_causes_later_are_knock_ons_of_its_incident(
     assert all(m.startswith("kv-canary incident #1: ") and "more row(s)" in m for m in messages[1:])
 
 
-@pytest.mark.parametrize("name", list(_BAD_INPUTS))
-def test_the_fused_and_the_per_launch_phase_agree_on_bad_inputs(name, monkeypatch):
-    """The fused phase (GPU and default path) and the per-launch ops (the TPU's path) mask and report a bad value
-    the same way, byte for byte, ring context included."""
-    canary = _canary()
-    want = _states(_step(canary), canary, _BAD_INPUTS[name])
-    assert any(v.fail_reason & FailReason.INVALID_INPUT for v in _rows(want)), name
-    monkeypatch.setattr(kc.KvCanary, "_fused_phase", kc.KvCanary._per_launch_phase)
-    chex.assert_trees_all_equal(_states(_make_step(canary), canary, _BAD_INPUTS[name]), want)
+def test_the_mosaic_phase_masks_and_reports_like_the_reference():
+    """The TPU's phase (the Mosaic kernels, interpreted) masks and reports each bad value as the xla path does,
+    byte for byte, ring context included."""
+    xla, mosaic = _canary(), _canary(backend="interpret_tpu")
+    mosaic_step = _make_step(mosaic)
+    for name, edit in _BAD_INPUTS.items():
+        want = _states(_step(xla), xla, edit)
+        assert any(v.fail_reason & FailReason.INVALID_INPUT for v in _rows(want)), name
+        chex.assert_trees_all_equal(_states(mosaic_step, mosaic, edit), want)
 
 
 def test_the_fused_kernels_mask_and_report_like_the_reference():

@@ -1,0 +1,200 @@
+"""What a wrapped step checks at trace time: the state, the batch and the real-KV sources, against the canary.
+
+Shapes, dtypes and presence are static, so they are checked here, naming the field; the values are checked in
+the step (:mod:`kvcanary_jax.runtime._inputs`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING
+
+import jax
+import jax.numpy as jnp
+
+from kvcanary_jax.core._constants import Half, Phase, RealKvHashMode
+from kvcanary_jax.runtime import _pool
+from kvcanary_jax.runtime._batch import CanaryBatch, CanaryState
+from pallas_kernels import checks, realkv
+
+if TYPE_CHECKING:
+    from kvcanary_jax.runtime._canary import KvCanary
+
+_REQUIRED_FIELDS = (
+    "req_pool_indices", "prefix_lens", "extend_lens", "req_to_token", "input_ids", "positions", "out_cache_loc",
+)  # fmt: skip
+
+
+def parse_phase(value) -> Phase:
+    """A Phase from a member, its value or its (case-insensitive) name."""
+    if isinstance(value, str) and value.strip().upper() in Phase.__members__:
+        return Phase[value.strip().upper()]
+    if checks.is_int(value) and int(value) in Phase._value2member_map_:
+        return Phase(int(value))
+    raise ValueError(f"phases must hold Phase members or their names {list(Phase.__members__)}; got {value!r}")
+
+
+def check_not_donated(state: CanaryState) -> None:
+    """A concrete state whose buffers a jitted step took (donated) is used again: name it, not 'argument 2'."""
+    for leaf in jax.tree.leaves(state):
+        if isinstance(leaf, jax.Array) and not isinstance(leaf, jax.core.Tracer) and leaf.is_deleted():
+            raise ValueError(DONATED_STATE)
+
+
+DONATED_STATE = (
+    "state was donated to an earlier step and its buffers are gone: use the state that step returned "
+    "(state = step(..., state, ...)), not the one passed in"
+)
+
+
+def check_no_swa(canary: KvCanary, op: str) -> None:
+    if canary.pool.swa is not None:
+        raise NotImplementedError(f"{op} covers the FULL pool only; this pool has an SWA group (CanaryPool.swa)")
+
+
+def check_state(canary: KvCanary, state) -> None:
+    """``state`` is shaped as this canary's ``init_state()`` (a state of another canary reads out of range)."""
+    if not isinstance(state, CanaryState):
+        raise TypeError(f"state must be a CanaryState (from KvCanary.init_state); got {type(state).__name__}")
+    if not canary.enabled:
+        return
+    hint = "it was allocated by another canary; use this canary's init_state()"
+    check_not_donated(state)
+    capacity = state.device.violation_log.ring_capacity
+    if capacity != canary.config.ring_capacity:
+        raise ValueError(
+            f"state's ring holds {capacity} rows but config.ring_capacity={canary.config.ring_capacity}: {hint}"
+        )
+    pool = state.device.req_to_verify_expected_tokens
+    want_pool = (canary.pool.max_reqs, canary.pool.max_context_len) if canary.config.enable_verify_token_assert else None
+    if (None if pool is None else tuple(pool.shape)) != want_pool:
+        raise ValueError(
+            f"state's expected-token pool is {None if pool is None else tuple(pool.shape)}, but this canary "
+            f"needs {want_pool} (config.enable_verify_token_assert={canary.config.enable_verify_token_assert}): {hint}"
+        )
+    for g in canary.groups:
+        buffers = state.buffers(g)
+        if buffers is None:
+            raise ValueError(f"state has no {g.name.upper()} buffers (state.{g.name} is None): {hint}")
+        for phase in (Phase.HEAD, Phase.TAIL):
+            for half in Half:
+                buf = buffers.buffer(phase, half)
+                name = f"state.{g.name}.{_pool.GroupBuffers.field_name(phase, half)}"
+                if half in canary.halves:
+                    checks.array(name, buf, dtype=jnp.uint32, shape=(g.num_slots, 4, 2))
+                elif buf is not None:
+                    raise ValueError(f"{name} is set but CanaryPool.with_v is False: {hint}")
+    if state.fingerprint is not None and state.fingerprint != canary.fingerprint:
+        raise ValueError(
+            f"state was allocated by a canary of another config or pool (fingerprint {state.fingerprint:#010x}, "
+            f"this canary's {canary.fingerprint:#010x}): its records mean something else here; use this canary's "
+            "init_state()"
+        )
+
+
+def checked_batch(canary: KvCanary, state, batch) -> CanaryBatch:
+    """Checks the batch's arrays and what the config needs of it; returns it with every field a jax array.
+
+    Shapes, dtypes and presence are static, so they are checked here, at trace time, naming the field; the
+    values are checked in the step (:mod:`kvcanary_jax.runtime._inputs`).
+    """
+    check_state(canary, state)
+    if not isinstance(batch, CanaryBatch):
+        raise TypeError(f"batch must be a CanaryBatch; got {type(batch).__name__}")
+    arrays = {}
+    for field in dataclasses.fields(CanaryBatch):
+        x = getattr(batch, field.name)
+        if x is None:
+            if field.name in _REQUIRED_FIELDS:
+                raise TypeError(f"batch.{field.name} is required (an int32 array); got None")
+        elif not hasattr(x, "shape") or not hasattr(x, "dtype"):
+            raise TypeError(f"batch.{field.name} must be an int32 array; got {type(x).__name__}")
+        else:
+            arrays[field.name] = jnp.asarray(x)  # a host (numpy) batch works eagerly too
+    rows = {f"batch.{n}": arrays[n] for n in ("req_pool_indices", "prefix_lens", "extend_lens")}
+    tokens = {f"batch.{n}": arrays[n] for n in ("input_ids", "positions", "out_cache_loc")}
+    if canary.config.enable_write_input_assert:
+        if "expected_input_ids" not in arrays:
+            raise ValueError(
+                "config.enable_write_input_assert compares written tokens with batch.expected_input_ids, but it "
+                "is None; pass the oracle's tokens (i32[T]) or turn the assert off"
+            )
+        tokens.update(
+            {f"batch.{n}": arrays[n] for n in ("expected_input_ids", "expected_positions") if n in arrays}
+        )
+    for group in (rows, tokens):
+        for name, x in group.items():
+            checks.array(name, x, dtype=jnp.int32, ndim=1)
+            if not x.shape[0]:
+                raise ValueError(
+                    f"{name} needs at least one entry (shapes are static: pad it); got {name}.shape=(0,)"
+                )
+        checks.same_length(group)
+    table = arrays["req_to_token"]
+    checks.array("batch.req_to_token", table, dtype=jnp.int32, ndim=2)
+    if 0 in table.shape:  # the plans gather from it (clamping), so each axis needs an entry
+        raise ValueError(
+            f"batch.req_to_token needs at least one row and one column; got batch.req_to_token.shape={table.shape}"
+        )
+    if canary.pool.swa is not None:
+        lut = arrays.get("full_to_swa_index_mapping")
+        if lut is None:
+            raise ValueError(
+                "the pool has an SWA group, so batch.full_to_swa_index_mapping (i32[num_slots + 1], the full->SWA "
+                "slot table) is required"
+            )
+        checks.array("batch.full_to_swa_index_mapping", lut, dtype=jnp.int32, ndim=1)
+        if lut.shape[0] < canary.pool.num_slots:
+            raise ValueError(
+                f"batch.full_to_swa_index_mapping must map every full-pool slot (i32[num_slots + 1], "
+                f"num_slots={canary.pool.num_slots}); got batch.full_to_swa_index_mapping.shape={tuple(lut.shape)}"
+            )
+    if canary.config.enable_verify_token_assert:
+        if "token_ids" not in arrays or "token_ids_lens" not in arrays:
+            raise ValueError(
+                "config.enable_verify_token_assert needs batch.token_ids (i32[max_reqs, max_context_len]) and "
+                "batch.token_ids_lens (i32[bs]); pass the requests' token history or turn the assert off"
+            )
+        pool_shape = state.device.req_to_verify_expected_tokens.shape
+        if tuple(table.shape) != tuple(pool_shape):
+            raise ValueError(
+                f"batch.req_to_token must have CanaryPool's shape (max_reqs, max_context_len)={tuple(pool_shape)} "
+                f"while the verify-token assert keeps a token pool of that shape; got batch.req_to_token.shape="
+                f"{tuple(table.shape)}"
+            )
+        checks.array("batch.token_ids", arrays["token_ids"], dtype=jnp.int32, shape=pool_shape)
+        checks.array(
+            "batch.token_ids_lens",
+            arrays["token_ids_lens"],
+            dtype=jnp.int32,
+            shape=arrays["req_pool_indices"].shape,
+        )
+    return dataclasses.replace(batch, **arrays)
+
+
+def check_sources(canary: KvCanary, sources) -> None:
+    if not isinstance(sources, _pool.KvSources):
+        raise TypeError(
+            f"kv_cache_sources must be KvSources (see KvCanary.kv_sources); got {type(sources).__name__}"
+        )
+    launched = {f"{g.name}_{h.name.lower()}": (g, h) for g in canary.groups for h in canary.halves}
+    for field in dataclasses.fields(_pool.KvSources):
+        value, arg = getattr(sources, field.name), f"kv_cache_sources.{field.name}"
+        if field.name in launched:
+            realkv.validate_sources(value, num_slots=launched[field.name][0].num_slots, arg=arg)
+        elif value:
+            raise ValueError(
+                f"{arg} holds sources, but no launch of this canary reads them (CanaryPool.swa="
+                f"{canary.pool.swa!r}, with_v={canary.pool.with_v})"
+            )
+    if canary.config.real_kv_hash_mode == RealKvHashMode.NONE:
+        return
+    for g in canary.groups:
+        for half in canary.halves:
+            if not sources.get(g, half):
+                name = f"{g.name}_{half.name.lower()}"
+                raise ValueError(
+                    f"real_kv_hash_mode={canary.config.real_kv_hash_mode.name} but kv_cache_sources has no "
+                    f"{name} source; pass kv_sources({name}=<layer-0 {half.name} array of the "
+                    f"{g.name.upper()} pool>), or set CanaryConfig(real_kv_hash_mode='none') to check chains only"
+                )

@@ -1,0 +1,143 @@
+"""What runs in a wrapped step: the batch checks, the expected-token scatter and each group's phase.
+
+:class:`~kvcanary_jax.runtime._canary.KvCanary` is the public face; these functions are its launches, each a pure
+function of the canary's static settings and the step's arrays.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING
+
+import jax
+import jax.numpy as jnp
+
+from kvcanary_jax.core import _ops
+from kvcanary_jax.core._constants import Phase
+from kvcanary_jax.runtime import _inputs, _pool
+from kvcanary_jax.runtime._batch import CanaryBatch, CanaryState
+from pallas_kernels.batch_checks import api as batch_checks
+from pallas_kernels.phase import api as phase_api
+
+if TYPE_CHECKING:
+    from kvcanary_jax.runtime._canary import KvCanary
+
+
+def forward_phase(
+    canary: KvCanary,
+    state: CanaryState,
+    batch: CanaryBatch,
+    rows: batch_checks.Checked,
+    g: _pool.Group,
+    phase: Phase,
+    sources: _pool.KvSources,
+) -> CanaryState:
+    """A HEAD or TAIL phase of group ``g``: verify each half's cached slots, then write this step's records.
+
+    Its effects are SGLang's launch sequence (verify K, write K, verify V, write V), after the HEAD's
+    ``INVALID_INPUT`` rows (the batch checks' of this group, then the table's), through the lower layer's
+    ``phase`` op on every backend. It skips the requests the checks reject (``skip_bad_requests``) and counts
+    the HEAD's verify overflow.
+    """
+    head = phase is Phase.HEAD
+    check_token = canary.config.enable_verify_token_assert
+    expected = expected_inputs(canary, batch) or (None, None)
+    token_pool = state.device.req_to_verify_expected_tokens if check_token else None
+    phase_batch = phase_api.Batch(
+        req_pool_indices=batch.req_pool_indices,
+        prefix_lens=batch.prefix_lens,
+        extend_lens=batch.extend_lens,
+        req_to_token=batch.req_to_token,
+        input_ids=batch.input_ids,
+        positions=batch.positions,
+        out_cache_loc=batch.out_cache_loc,
+        full_to_swa_index_mapping=batch.full_to_swa_index_mapping if g.window else None,
+        token_pool=token_pool,
+        token_pool_lens=None if token_pool is None else jnp.clip(batch.token_ids_lens, 0, token_pool.shape[1]),
+        expected_input_ids=expected[0],
+        expected_input_positions=expected[1],
+        active=rows.active,
+        span_lens=rows.span_lens,
+    )
+    buffers = state.buffers(g)
+    device, new_buffers, overflows = _ops.fused_phase(
+        state.device,
+        tuple(buffers.buffer(phase, h) for h in canary.halves),
+        phase_batch,
+        phase_spec(canary, g, phase),
+        real_kv_sources=tuple(sources.get(g, h) for h in canary.halves),
+        input_issues=(rows.swa_issues if g.window else rows.issues) if head else None,
+        # Only the HEAD phase counts overflows: the TAIL phase rebuilds the identical plan.
+        verify_overflows=state.verify_overflows if head else None,
+        backend=canary.config.backend,
+    )
+    for h, buf in zip(canary.halves, new_buffers, strict=True):
+        buffers = buffers.with_buffer(phase, h, buf)
+    overflows = overflows if head else state.verify_overflows
+    return dataclasses.replace(state, device=device, verify_overflows=overflows, **{g.name: buffers})
+
+
+def phase_spec(canary: KvCanary, g: _pool.Group, phase: Phase) -> phase_api.PhaseSpec:
+    """The static arguments of group ``g``'s ``phase``: the HEAD checks the table; rejected requests are skipped
+    (the batch checks report them)."""
+    return phase_api.PhaseSpec(
+        tags=tuple(int(g.tag(phase, h)) for h in canary.halves),
+        real_kv_hash_mode=int(canary.config.real_kv_hash_mode),
+        verify_capacity=g.verify_capacity,
+        window=g.window,
+        token_offset=canary.pool.kv_token_id_vs_position_offset,
+        full_slots=canary.pool.num_slots,
+        check_table=phase is Phase.HEAD,
+        skip_bad_requests=True,
+    )
+
+
+def rows(canary: KvCanary, state: CanaryState, batch: CanaryBatch) -> batch_checks.Checked:
+    """The batch checks' result (``_inputs.check_rows``): the rows' roles and the groups' candidates."""
+    token_pool = state.device.req_to_verify_expected_tokens
+    return _inputs.check_rows(
+        batch,
+        padding=canary.pool.padding,
+        table_rows=batch.req_to_token.shape[0],
+        context_len=batch.req_to_token.shape[1],
+        num_slots=canary.pool.num_slots,
+        token_ids_width=token_pool.shape[1] if canary.config.enable_verify_token_assert else None,
+        swa_num_slots=None if canary.pool.swa is None else canary.pool.swa.num_slots,
+        backend=canary.config.backend,
+    )
+
+
+def sweep_verify(canary: KvCanary, buf, plan, g, phase, half, sources) -> _ops.Launch:
+    """A sweep's verify launch of one half."""
+    return _ops.verify_launch(
+        buf,
+        plan,
+        tag=g.tag(phase, half),
+        real_kv_sources=sources.get(g, half),
+        real_kv_hash_mode=canary.config.real_kv_hash_mode,
+        check_expected_token=False,
+        backend=canary.config.backend,
+    )
+
+
+def expected_inputs(canary: KvCanary, batch: CanaryBatch) -> tuple[jax.Array, jax.Array] | None:
+    """The write input assert's oracle ``(tokens, positions)``, or None when the assert is off."""
+    if not canary.config.enable_write_input_assert:
+        return None
+    positions = batch.positions if batch.expected_positions is None else batch.expected_positions
+    return batch.expected_input_ids, positions
+
+
+def update_expected_tokens(
+    canary: KvCanary, state: CanaryState, batch: CanaryBatch, rows: batch_checks.Checked
+) -> CanaryState:
+    """Scatters the batched requests' token history into the expected-token pool (SGLang's snapshot scatter)."""
+    if not canary.config.enable_verify_token_assert:
+        return state
+    pool_tokens = state.device.req_to_verify_expected_tokens
+    # Rows that are not requests (padding, or rejected by the checks) go to an index past the pool: dropped.
+    target = jnp.where(rows.active != 0, batch.req_pool_indices, pool_tokens.shape[0])
+    source = batch.token_ids[jnp.clip(batch.req_pool_indices, 0, batch.token_ids.shape[0] - 1)]
+    pool_tokens = pool_tokens.at[target].set(source, mode="drop")
+    device = dataclasses.replace(state.device, req_to_verify_expected_tokens=pool_tokens)
+    return dataclasses.replace(state, device=device)

@@ -1,0 +1,71 @@
+"""The fill-once violation ring and the launch counters, written once for both layers (SPEC §1 Ring).
+
+A launch's rows land at the ring's write index in order where the ring has room; the index counts every row,
+saturating at 2^31 - 1. The phase op places every launch of a phase with :func:`place`, and the SGLang-compatible
+single ops in ``kvcanary_jax.core`` place theirs with it too, so the bytes agree by construction.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from pallas_kernels import hash64
+
+_INT32_MAX = 2**31 - 1
+
+
+def pack_row(fields: list[hash64.U64]) -> jax.Array:
+    """Eight u64 fields to ``u32[..., 8, 2]`` (the ring's row layout)."""
+    return jnp.stack([hash64.join(f) for f in fields], axis=-2)
+
+
+def row_context(request_row: jax.Array, expected_position: jax.Array, batch_entry: jax.Array) -> jax.Array:
+    """i32[..., 3] a ring row's context (request row, expected position, batch entry) from three i32 arrays."""
+    return jnp.stack([request_row, expected_position, batch_entry], axis=-1).astype(jnp.int32)
+
+
+def place(ring: jax.Array, context, write_index: jax.Array, pending):
+    """Writes each launch's rows at the write index in order where the fill-once ring has room.
+
+    ``pending`` holds ``(count, rows u32[capacity, 8, 2], row_context i32[capacity, 3])`` per launch: row k is
+    the launch's k-th, for k < min(count, capacity). ``context`` (the ring's, or None) gets each placed row's
+    context. The index grows by every count, saturating at 2^31 - 1. Returns ``(ring, context, write_index)``.
+    """
+    capacity = ring.shape[0]
+    row = jnp.arange(capacity, dtype=jnp.int32)
+    start = write_index[0]
+    for count, rows, row_ctx in pending:
+        k = row - start  # ring row start + k holds the launch's k-th row
+        fresh = (k >= 0) & (k < count)
+        at = jnp.clip(k, 0, capacity - 1)
+        ring = jnp.where(fresh[:, None, None], rows[at], ring)
+        if context is not None:
+            context = jnp.where(fresh[:, None], row_ctx[at], context)
+        start = start + jnp.minimum(count, _INT32_MAX - start)
+    return ring, context, start.reshape(1).astype(jnp.int32)
+
+
+def bump(counters: jax.Array, increments: dict[int, jax.Array]) -> jax.Array:
+    """``counters[tag] += amount`` on u64 (lo, hi) counters; amounts are non-negative int32.
+
+    Elementwise over every tag (not one-row updates), so XLA fuses a step's bumps into one kernel.
+    """
+    tags = jnp.arange(counters.shape[0], dtype=jnp.int32)
+    add = jnp.zeros(counters.shape[:1], jnp.uint32)
+    for tag, amount in increments.items():
+        add = add + jnp.where(tags == tag, jnp.asarray(amount).astype(jnp.uint32), jnp.uint32(0))
+    return hash64.join(hash64.add(hash64.split(counters), (add, jnp.zeros_like(add))))
+
+
+def after(rows: jax.Array) -> jax.Array:
+    """A traced int32 zero that depends on ``rows`` (u32[capacity, 8, 2]: rows gathered from a canary buffer, or
+    the ring itself).
+
+    Added to the slots of the buffer's in-place store, it orders the store after the gathers (materialised behind
+    an optimization barrier), so XLA neither schedules it first nor copies the whole buffer to keep its old bytes.
+    Word [0, 7, 0] is a row's fail bits (< 2^31), or whatever the row gather read for an empty launch, which is
+    also a fail-bits word; XLA cannot fold the shift to a constant.
+    """
+    return lax.shift_right_logical(rows[0, 7, 0], jnp.uint32(31)).astype(jnp.int32)
