@@ -274,9 +274,14 @@ def carry_records(guard, tree_cache, *, host_sweep_interval: int = 0, host_sweep
       The :class:`HostRecords` (``detach()`` to unhook).
 
     Raises:
-      ValueError: HiCache is off on ``tree_cache``, or the pool is hooked already.
+      ValueError: a host sweep option that is not an int (interval >= 0, pages >= 1), HiCache off on ``tree_cache``,
+        or the pool hooked already.
       NotImplementedError: the overlap scheduler's worker.
     """
+    limits = (("host_sweep_interval", host_sweep_interval, 0), ("host_sweep_pages", host_sweep_pages, 1))
+    for name, value, low in limits:
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ValueError(f"{name} must be an int >= {low}; got {value!r}")
     if not getattr(tree_cache, "hicache_enabled", False) or tree_cache.host_pool is None:
         raise ValueError(
             f"tree_cache must be a UnifiedRadixCache with HiCache on (hicache_storage='none'); got "
@@ -287,10 +292,6 @@ def carry_records(guard, tree_cache, *, host_sweep_interval: int = 0, host_sweep
             "HiCache records are carried under the normal scheduler only: the overlap scheduler gathers backups on "
             "its own thread while the forward's thread owns the canary state"
         )
-    limits = (("host_sweep_interval", host_sweep_interval, 0), ("host_sweep_pages", host_sweep_pages, 1))
-    for name, value, low in limits:
-        if isinstance(value, bool) or not isinstance(value, int) or value < low:
-            raise ValueError(f"{name} must be an int >= {low}; got {value!r}")
     if isinstance(getattr(tree_cache.host_pool.flush_load, "__self__", None), HostRecords):
         raise ValueError("this host pool carries canary records already; detach() its HostRecords first")
     return HostRecords(guard, tree_cache.host_pool, tree_cache, host_sweep_interval=host_sweep_interval,

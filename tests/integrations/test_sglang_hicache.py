@@ -71,5 +71,9 @@ def test_carry_records_refuses_a_cache_without_hicache(worker):
     try:
         with pytest.raises(ValueError, match="tree_cache must be a UnifiedRadixCache with HiCache on"):
             sglang_hicache.carry_records(guard, radix)
+        with pytest.raises(ValueError, match=r"host_sweep_interval must be an int >= 0; got -1"):
+            sglang_hicache.carry_records(guard, radix, host_sweep_interval=-1)
+        with pytest.raises(ValueError, match=r"host_sweep_pages must be an int >= 1; got 0"):
+            sglang_hicache.carry_records(guard, radix, host_sweep_pages=0)
     finally:
         guard.unwrap()
