@@ -38,6 +38,7 @@ from kvcanary_jax.integrations import sglang_hicache, sglang_jax
 
 POLICIES = ("write_through", "write_back")
 DEVICE_TOKENS = 192  # the device KV pool: about three of the workload's prefixes
+HOST_SWEEP_INTERVAL = 8  # a host sweep (64 host pages) at the end of every 8th step
 CONFIG = CanaryConfig(mode="raise", real_kv_hash_mode="partial", sweep_interval=0, enable_write_input_assert=True,
                       enable_verify_token_assert=True)  # fmt: skip
 
@@ -173,6 +174,7 @@ class TransferFault(enum.Enum):
     WRONG_SLOTS = "wrong_slots"  # a load scattered its pages into the wrong device slots (the plan's pages reversed)
     HOST_PAGE_REUSED = "host_page_reused"  # a host page overwritten by another prefix's backup before its load
     STALE_LOAD = "stale_load"  # the forward read the new slots before the load's scatter landed
+    HOST_RESIDENT_FLIP = "host_resident_flip"  # a byte of a page that stays on host changed: the host sweep's find
 
 
 # What the canary names for each: SGLang's launch and reasons (no new reason is needed).
@@ -181,7 +183,19 @@ EXPECTED = {
     TransferFault.WRONG_SLOTS: (CanaryLaunchTag.HEAD_K_FULL, FailReason.VERIFY_POSITION | FailReason.VERIFY_CHAIN_HASH),
     TransferFault.HOST_PAGE_REUSED: (CanaryLaunchTag.HEAD_K_FULL, FailReason.VERIFY_CHAIN_HASH),
     TransferFault.STALE_LOAD: (CanaryLaunchTag.TAIL_K_FULL, FailReason.VERIFY_REAL_KV_HASH),
+    TransferFault.HOST_RESIDENT_FLIP: (CanaryLaunchTag.SWEEP_K_FULL, FailReason.VERIFY_REAL_KV_HASH),
 }
+
+
+def _evicted_host_pages(tree_cache) -> list[int]:
+    """The host pages of nodes evicted from the device: a later hit must load them back."""
+    pages, stack = [], list(tree_cache.root_node.children.values())
+    while stack:
+        node = stack.pop()
+        if node.evicted and node.backuped:
+            pages += [int(b) for b in node.component_data[0].host_value]
+        stack.extend(node.children.values())
+    return pages
 
 
 def _chain_host_pages(tree_cache, node) -> list[int]:
@@ -203,6 +217,7 @@ class Drill:
         self.host_page: int | None = None
         self.pages: list | None = None
         self._old_kv = None
+        self._swept: tuple | None = None  # (step, scratch slot) of the host sweep a host-resident fault is due in
 
     def arm(self, sched: HiCacheScheduler, carried: sglang_hicache.HostRecords) -> None:
         self.carried = carried
@@ -255,8 +270,28 @@ class Drill:
             kv[layer] = jax.device_put(raw, kv[layer].sharding)
         self._old_kv = None
 
+    def before_step_end(self, sched) -> None:
+        """Before a step end that runs a host sweep: flips the first evicted (host-only) page that sweep takes."""
+        carried = self.carried
+        if self.fault is not TransferFault.HOST_RESIDENT_FLIP or not self._due(sched):
+            return
+        if not carried.host_sweep_interval or carried._steps % carried.host_sweep_interval:
+            return
+        listed = carried.host_pages()
+        start = carried._cursor % len(listed) if listed else 0
+        chosen = [bid for bid, _, _ in (listed + listed)[start : start + min(carried.host_sweep_pages, len(listed))]]
+        evicted = {int(b) for b in _evicted_host_pages(sched.tree_cache)}
+        for i, bid in enumerate(chosen):
+            if bid in evicted:
+                _flip_host_page(sched.tree_cache.host_pool, bid, row=0)
+                self.host_page, self._swept = bid, (sched.forwards - 1, (i + 1) * sched.page_size)
+                return
+
     def target(self, sched) -> Injected | None:
-        """Where the canary must report: the load's forward, its request, the first slot the fault changed."""
+        """Where the canary must report: the load's forward, its request, the first slot the fault changed (for a
+        page that stays on host: the host sweep's step and its scratch slot, no request)."""
+        if self.fault is TransferFault.HOST_RESIDENT_FLIP:
+            return None if self.host_page is None else Injected(self._swept[0], self._swept[1], None, -1)
         for load in sched.loads:
             if self.host_page is not None and self.host_page in load.host_pages:
                 page = load.pages[load.host_pages.index(self.host_page)]
@@ -287,6 +322,9 @@ class HiCacheRun:
     rid: str | None
     ok: bool
     note: str = ""
+    host_page: tuple | None = None  # (host page, token row) a host sweep's report names
+    flipped_host_page: int | None = None  # the host page a host-resident fault changed
+    pages_host_swept: int = 0
 
     def as_row(self) -> RunResult:
         """The toy demo's row type (1-based steps), for its table."""
@@ -297,7 +335,8 @@ class HiCacheRun:
 
 
 def run(worker, *, write_policy: str, fault: TransferFault | None = None, seed: int = 0, after: int = 40,
-        max_steps: int = 400, carry: bool = True) -> HiCacheRun:  # fmt: skip
+        max_steps: int = 400, carry: bool = True,
+        host_sweep_interval: int = HOST_SWEEP_INTERVAL) -> HiCacheRun:  # fmt: skip
     """The workload on ``worker`` with HiCache and the canary, clean or with ``fault`` injected once.
 
     ``carry=False`` leaves the records behind (the canary without :func:`~kvcanary_jax.integrations.sglang_hicache.
@@ -310,7 +349,7 @@ def run(worker, *, write_policy: str, fault: TransferFault | None = None, seed: 
         raise ValueError(f"write_policy must be one of {POLICIES}; got {write_policy!r}")
     sched = HiCacheScheduler(worker, workload(seed), write_policy=write_policy)
     guard = sglang_jax.wrap(worker, CONFIG, tree_cache=None)
-    carried = sglang_hicache.carry_records(guard, sched.tree_cache)
+    carried = sglang_hicache.carry_records(guard, sched.tree_cache, host_sweep_interval=host_sweep_interval)
     if not carry:
         carried.detach()
     drill = Drill(fault, after) if fault is not None else None
@@ -321,6 +360,8 @@ def run(worker, *, write_policy: str, fault: TransferFault | None = None, seed: 
             for batch in sched:
                 guard.expect(batch)
                 sched.run_batch(batch)
+                if drill is not None:
+                    drill.before_step_end(sched)
                 guard.after_step()
                 if sched.forwards >= max_steps:
                     break
@@ -342,6 +383,8 @@ def run(worker, *, write_policy: str, fault: TransferFault | None = None, seed: 
         detected_step=first.user_step if first else None, launch_tag=first.violation.tag_label if first else None,
         fail_reason="+".join(first.violation.reason_labels) if first else None,
         slot=first.violation.slot_idx if first else None, rid=rid, ok=ok, note=note,
+        host_page=carried.host_page_of(first) if first else None, pages_host_swept=carried.host_swept,
+        flipped_host_page=drill.host_page if fault is TransferFault.HOST_RESIDENT_FLIP else None,
     )  # fmt: skip
 
 
@@ -363,12 +406,16 @@ def run_demo(*, seed: int = 0, as_json: bool = False, out: TextIO | None = None)
     for r in runs:
         if r.fault == "none":
             out.write(f"  clean {r.policy}: {r.steps} steps, {r.loads} load-backs ({r.pages_loaded} pages loaded, "
-                      f"{r.pages_backed_up} backed up)\n")  # fmt: skip
+                      f"{r.pages_backed_up} backed up, {r.pages_host_swept} host-swept)\n")  # fmt: skip
     out.write("\n" + cli.format_table([r.as_row() for r in runs]) + "\n")
     for r in runs:
-        if r.injected is not None:
+        if r.flipped_host_page is not None:
+            out.write(f"  {r.fault} ({r.policy}): host page {r.flipped_host_page} flipped before the host sweep of step "
+                      f"{r.injected.step + 1}; reported (host page, row) {r.host_page}\n")  # fmt: skip
+        elif r.injected is not None:
             out.write(f"  {r.fault} ({r.policy}): load at step {r.injected.step + 1} of request {r.injected.rid} into "
                       f"slot {r.injected.slot}; reported slot {r.slot}, request {r.rid}\n")  # fmt: skip
-    verdict = "all transfer faults detected at their load's slot, request and step; no false positives"
+    verdict = ("all transfer faults detected at their load's slot, request and step (a page that stays on host: by "
+               "the host sweep); no false positives")
     out.write(f"\n{verdict if ok else 'FAILED'} ({time.perf_counter() - started:.0f} s)\n")
     return 0 if ok else 1

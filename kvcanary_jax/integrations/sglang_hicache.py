@@ -16,6 +16,13 @@ token in the HEAD verify, real KV in the TAIL verify, under the request that rea
 copy, pages scattered into the wrong slots, a host page reused by another prefix before the load, or a load the
 forward overtook each break one of those checks (see the README's HiCache section).
 
+With ``host_sweep_interval=N`` the pages that stay on host are checked too (:meth:`HostRecords.host_sweep`): every
+N steps, at the step's end, the next ``host_sweep_pages`` host pages (round robin over the tree's host pages) are
+uploaded with their records into a scratch pool and verified as the device sweep verifies the radix cache: real KV
+of the host copy against its TAIL records, chain and position along each tree node (``SWEEP_K_FULL`` /
+``SWEEP_V_FULL``). One dispatch, no host sync; the monitor reads the rows lagged; :meth:`HostRecords.host_page_of`
+names the host page of a report.
+
 Not mapped: the overlap scheduler (its ``stage_backup`` runs on the scheduler's thread while the forward's thread
 owns the canary state), data parallelism > 1 (refused by ``wrap``).
 """
@@ -31,8 +38,11 @@ import jax.numpy as jnp
 import numpy as np
 
 import kvcanary_jax as kc
+from kvcanary_jax.integrations.sglang_jax import kv_sources
 
 _FIELDS = ("k_head", "k_tail", "v_head", "v_tail")
+_SWEPT = {"k_tail": kc.CanaryLaunchTag.SWEEP_K_FULL, "v_tail": kc.CanaryLaunchTag.SWEEP_V_FULL}  # as the device sweep
+_KEEP_SWEEPS = 64  # host sweeps remembered for host_page_of (the monitor reads a few steps late)
 
 
 @jax.jit
@@ -45,6 +55,19 @@ def _restore(buffers: tuple, records: jax.Array, slots: jax.Array) -> tuple:
     return tuple(kc.restore_records(b, r, slots) for b, r in zip(buffers, records, strict=True))
 
 
+@functools.partial(jax.jit, static_argnames=("tags", "mode", "backend"), donate_argnums=(0,))
+def _host_sweep(device, records, pages, slots, prev, positions, *, tags, mode, backend):
+    """Verifies host pages in a scratch pool: page 0 is padding, page ``i + 1`` holds ``pages[i]`` (layer-0 KV) and
+    its records (``records[t]``: the TAIL records of ``tags[t]``'s half), each half against its own KV bytes."""
+    kv0 = jnp.stack((jnp.zeros_like(pages[0]), *pages))
+    scratch = jnp.zeros((kv0.shape[0] * kv0.shape[1], 4, 2), jnp.uint32)
+    for recs, source, tag in zip(records, kv_sources(kv0), tags, strict=False):
+        _, device = kc.restore_and_verify(device, scratch, recs, slots, prev, positions, tag=tag,
+                                          real_kv_sources=(source,), real_kv_hash_mode=mode,
+                                          backend=backend)  # fmt: skip
+    return device
+
+
 class HostRecords:
     """The canary records of the pages an ``LRUHostKVPool`` holds; made by :func:`carry_records`.
 
@@ -53,10 +76,16 @@ class HostRecords:
       host_pool: the engine's ``LRUHostKVPool``.
       records: host page id -> u32[buffers, page_size, 4, 2] (numpy), as the D2H worker published it.
       backed_up, loaded: pages carried each way so far.
+      host_sweep_interval, host_sweep_pages: a host sweep every that many steps (0: none), of that many pages.
+      host_swept: pages checked by host sweeps so far.
     """
 
-    def __init__(self, guard, host_pool):
-        self.guard, self.host_pool = guard, host_pool
+    def __init__(self, guard, host_pool, tree_cache=None, *, host_sweep_interval: int = 0, host_sweep_pages: int = 64):
+        self.guard, self.host_pool, self.tree_cache = guard, host_pool, tree_cache
+        self.host_sweep_interval, self.host_sweep_pages = host_sweep_interval, host_sweep_pages
+        self.host_swept = 0
+        self._cursor = self._steps = 0
+        self._sweeps: dict[int, list] = {}  # guard step -> the host pages of that step's host sweep, by scratch page
         self.page_size = guard.layout.page_size
         self.fields = tuple(f for f in _FIELDS if getattr(guard.state.full, f) is not None)
         self.records: dict[int, np.ndarray] = {}
@@ -67,6 +96,9 @@ class HostRecords:
                            ("stage_backup", "flush_backup", "flush_load", "free", "release")}  # fmt: skip
         for name in self._originals:
             setattr(host_pool, name, getattr(self, name))
+        if host_sweep_interval > 0:
+            self._after_step = guard.after_step
+            guard.after_step = self.after_step
 
     def slots(self, device_pages) -> np.ndarray:
         """i32[bucket * page_size]: the token slots of global device pages, page by page, padded with slot 0 to the
@@ -141,26 +173,115 @@ class HostRecords:
                 self.records.pop(int(bid), None)
                 self._staged.pop(int(bid), None)
 
+    # -- the host sweep ---------------------------------------------------------------------------------------------
+
+    def after_step(self) -> None:
+        """The guard's step end, preceded by a host sweep every ``host_sweep_interval`` steps (installed on the
+        guard by :func:`carry_records`): the sweep's rows are read by the same lagged monitor check."""
+        if self._steps % self.host_sweep_interval == 0:
+            self.host_sweep()
+        self._steps += 1
+        self._after_step()
+
+    def host_pages(self) -> list[tuple[int, int, int]]:
+        """``(host page, position, predecessor host page)`` of every host page the tree holds whose records were
+        carried, depth first (the predecessor: -1 under the root, None when its page is not on host; host page ids
+        start at 0)."""
+        ps, out = self.page_size, []
+        stack = [(c, 0, -1) for c in reversed(list(self.tree_cache.root_node.children.values()))]
+        while stack:
+            node, depth, prev = stack.pop()
+            host = node.component_data[0].host_value
+            if host is None:
+                prev = None
+            else:
+                for i, bid in enumerate(int(b) for b in host):
+                    held = bid in self.records and self.host_pool._slots[bid] is not None
+                    if held:
+                        out.append((bid, depth + i * ps, prev))
+                    prev = bid if held else None
+            stack.extend((c, depth + len(node.key), prev) for c in reversed(list(node.children.values())))
+        return out
+
+    def host_sweep(self) -> None:
+        """Verifies the next ``host_sweep_pages`` host pages (round robin) in a scratch pool, into the guard's
+        state: one async dispatch, no host sync (see the module doc)."""
+        with self._lock:
+            listed = self.host_pages()
+            if not listed:
+                return
+            n = min(self.host_sweep_pages, len(listed))
+            start = self._cursor % len(listed)
+            chosen = (listed + listed)[start : start + n]
+            self._cursor = start + n
+            records = [self.records[bid] for bid, _, _ in chosen]
+        pool, ps, k = self.host_pool, self.page_size, self.host_sweep_pages
+        scratch = {bid: i + 1 for i, (bid, _, _) in enumerate(chosen)}
+        slots = np.zeros((k, ps), np.int32)
+        positions, prev = np.zeros_like(slots), np.zeros_like(slots)
+        for i, (bid, position, before) in enumerate(chosen):
+            slots[i] = (i + 1) * ps + np.arange(ps)
+            positions[i] = position + np.arange(ps)
+            prev[i] = slots[i] - 1
+            linked = scratch[before] * ps + ps - 1 if before in scratch else 0  # 0: not in this sweep, unchained
+            prev[i, 0] = -1 if before == -1 else linked
+        kv = [pool._slots[bid][0] for bid, _, _ in chosen]  # layer 0 (the canary's), still in host memory
+        kv = [jax.device_put(x, x.sharding.with_memory_kind("device")) for x in kv]  # async H2D
+        kv += [jnp.zeros_like(kv[0])] * (k - n)
+        tails = [self.fields.index(f) for f in _SWEPT if f in self.fields]
+        recs = np.zeros((len(tails), k * ps, 4, 2), np.uint32)
+        recs[:, : n * ps] = np.concatenate(records, axis=1)[tails]
+        guard = self.guard
+        with jax.set_mesh(guard.runner.mesh):
+            entries = (jnp.asarray(x.reshape(-1)) for x in (slots, prev, positions))
+            device = _host_sweep(guard.state.device, jnp.asarray(recs), tuple(kv), *entries,
+                                 tags=tuple(_SWEPT[self.fields[t]] for t in tails), mode=guard.config.real_kv_hash_mode,
+                                 backend=guard.config.backend)  # fmt: skip
+        guard.state = dataclasses.replace(guard.state, device=device)
+        self.host_swept += n
+        self._sweeps[guard.steps - 1] = [bid for bid, _, _ in chosen]
+        while len(self._sweeps) > _KEEP_SWEEPS:
+            del self._sweeps[min(self._sweeps)]
+
+    def host_page_of(self, observed) -> tuple[int, int] | None:
+        """``(host page, token row)`` a host sweep's report names (None: another launch's, or too long ago)."""
+        v = observed.violation
+        if v.launch_tag not in _SWEPT.values() or v.slot_idx is None:
+            return None
+        pages = self._sweeps.get(observed.user_step, [])
+        page, row = divmod(v.slot_idx, self.page_size)
+        return (pages[page - 1], row) if 1 <= page <= len(pages) else None
+
     def detach(self) -> None:
-        """Gives the pool its own methods back."""
+        """Gives the pool (and the guard) its own methods back."""
         for name in self._originals:
             delattr(self.host_pool, name)
+        if self.host_sweep_interval > 0:
+            del self.guard.after_step
 
 
-def carry_records(guard, tree_cache) -> HostRecords:
+def carry_records(guard, tree_cache, *, host_sweep_interval: int = 0, host_sweep_pages: int = 64) -> HostRecords:
     """Makes the canary records of ``guard`` travel with the HiCache pages of ``tree_cache`` (see the module doc).
 
     Args:
       guard: the :class:`~kvcanary_jax.integrations.sglang_jax.SglangCanary` around the engine's worker.
       tree_cache: the scheduler's ``UnifiedRadixCache`` with HiCache on (``hicache_storage="none"``).
+      host_sweep_interval: a host sweep at the end of every that many steps (the first step's included); 0 (the
+        default): pages on host are checked only when loaded back.
+      host_sweep_pages: host pages per host sweep (a static shape: one compile).
 
     Returns:
       The :class:`HostRecords` (``detach()`` to unhook).
 
     Raises:
-      ValueError: HiCache is off on ``tree_cache``, or the pool is hooked already.
+      ValueError: a host sweep option that is not an int (interval >= 0, pages >= 1), HiCache off on ``tree_cache``,
+        or the pool hooked already.
       NotImplementedError: the overlap scheduler's worker.
     """
+    limits = (("host_sweep_interval", host_sweep_interval, 0), ("host_sweep_pages", host_sweep_pages, 1))
+    for name, value, low in limits:
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ValueError(f"{name} must be an int >= {low}; got {value!r}")
     if not getattr(tree_cache, "hicache_enabled", False) or tree_cache.host_pool is None:
         raise ValueError(
             f"tree_cache must be a UnifiedRadixCache with HiCache on (hicache_storage='none'); got "
@@ -173,4 +294,5 @@ def carry_records(guard, tree_cache) -> HostRecords:
         )
     if isinstance(getattr(tree_cache.host_pool.flush_load, "__self__", None), HostRecords):
         raise ValueError("this host pool carries canary records already; detach() its HostRecords first")
-    return HostRecords(guard, tree_cache.host_pool)
+    return HostRecords(guard, tree_cache.host_pool, tree_cache, host_sweep_interval=host_sweep_interval,
+                       host_sweep_pages=host_sweep_pages)  # fmt: skip

@@ -36,6 +36,7 @@ def test_a_clean_run_with_many_load_backs_is_silent(worker, policy):
     assert run.ok and run.detected_step is None, run
     assert run.steps >= 100 and run.loads >= 20, run
     assert run.pages_loaded >= 20 and run.pages_backed_up >= run.pages_loaded // 4, run  # records made both trips
+    assert run.pages_host_swept >= run.steps // hc.HOST_SWEEP_INTERVAL * 32, run  # the host sweep ran, silent
 
 
 def test_without_the_records_a_load_back_is_a_false_alarm(worker):
@@ -57,6 +58,8 @@ def test_a_transfer_fault_is_named_at_its_load(worker, fault, policy):
     assert run.ok, run.note
     assert (run.detected_step, run.slot, run.rid) == (run.injected.step, run.injected.slot, run.injected.rid)
     assert run.launch_tag == tag.name and kc.FailReason[run.fail_reason.split("+")[0].upper()] & bits, run
+    if fault is hc.TransferFault.HOST_RESIDENT_FLIP:  # a page never loaded back: the host sweep names it
+        assert run.host_page == (run.flipped_host_page, 0) and run.rid is None, run
 
 
 def test_carry_records_refuses_a_cache_without_hicache(worker):
@@ -68,5 +71,9 @@ def test_carry_records_refuses_a_cache_without_hicache(worker):
     try:
         with pytest.raises(ValueError, match="tree_cache must be a UnifiedRadixCache with HiCache on"):
             sglang_hicache.carry_records(guard, radix)
+        with pytest.raises(ValueError, match=r"host_sweep_interval must be an int >= 0; got -1"):
+            sglang_hicache.carry_records(guard, radix, host_sweep_interval=-1)
+        with pytest.raises(ValueError, match=r"host_sweep_pages must be an int >= 1; got 0"):
+            sglang_hicache.carry_records(guard, radix, host_sweep_pages=0)
     finally:
         guard.unwrap()
