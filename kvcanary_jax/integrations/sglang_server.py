@@ -118,6 +118,9 @@ def refuse_unmapped(server_args) -> None:
     if tp > 1 or dp > 1:
         problems.append(f"tensor or data parallelism (--tp-size {tp} --dp-size {dp}: only the in-process wrap maps "
                         "them, without the overlap scheduler)")  # fmt: skip
+    if getattr(server_args, "hicache_storage", "disable") != "disable" and not server_args.disable_overlap_schedule:
+        problems.append(f"HiCache under the overlap scheduler (--hicache-storage {server_args.hicache_storage}: add "
+                        "--disable-overlap-schedule, under which records are carried with the host pages)")  # fmt: skip
     if getattr(server_args, "disaggregation_mode", "null") != "null":
         problems.append(f"PD disaggregation (--disaggregation-mode {server_args.disaggregation_mode})")
     if getattr(server_args, "multimodal", False):
@@ -135,10 +138,15 @@ def attach(scheduler, settings: ServeSettings) -> sglang_jax.SglangCanary | None
         return None
     if getattr(scheduler, "pd", None):
         raise NotImplementedError("kvcanary serve does not map the Pathways PD workers")
-    tree_cache = scheduler.tree_cache if settings.sweep_interval else None
+    hicache = getattr(scheduler.tree_cache, "hicache_enabled", False)
+    tree_cache = scheduler.tree_cache if settings.sweep_interval and not hicache else None
     if tree_cache is not None and type(tree_cache).__name__ != "RadixCache":
         raise NotImplementedError(f"kvcanary's sweep maps the RadixCache only; got {type(tree_cache).__name__}")
     guard = sglang_jax.wrap(scheduler.tp_worker, settings.config(), tree_cache=tree_cache)
+    if hicache:  # records travel with the host pages; the sweep interval paces the host-resident pages' sweep
+        from kvcanary_jax.integrations import sglang_hicache
+
+        sglang_hicache.carry_records(guard, scheduler.tree_cache, host_sweep_interval=settings.sweep_interval)
     metrics = None
     if scheduler.server_args.enable_metrics:
         from kvcanary_jax.integrations.sglang_metrics import CanaryMetrics

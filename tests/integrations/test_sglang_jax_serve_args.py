@@ -53,6 +53,16 @@ def test_unmapped_server_set_ups_are_refused_before_launch():
                                                         disaggregation_mode="null", multimodal=False))  # fmt: skip
 
 
+def test_hicache_is_refused_under_the_overlap_scheduler_and_accepted_without_it():
+    """Records are carried with host pages under the normal scheduler only: with the overlap scheduler on (the
+    engine's default) a HiCache server is refused at startup, by name, rather than false-alarming at a load-back."""
+    args = dict(speculative_algorithm=None, dp_size=1, disaggregation_mode="null", multimodal=False,
+                hicache_storage="none")  # fmt: skip
+    with pytest.raises(NotImplementedError, match=r"HiCache under the overlap scheduler.*--disable-overlap-schedule"):
+        sglang_server.refuse_unmapped(types.SimpleNamespace(**args, disable_overlap_schedule=False))
+    sglang_server.refuse_unmapped(types.SimpleNamespace(**args, disable_overlap_schedule=True))
+
+
 def _mwb(decode: bool, **arrays):
     return types.SimpleNamespace(forward_mode=types.SimpleNamespace(is_decode=lambda: decode), **arrays)
 
