@@ -138,15 +138,15 @@ def attach(scheduler, settings: ServeSettings) -> sglang_jax.SglangCanary | None
         return None
     if getattr(scheduler, "pd", None):
         raise NotImplementedError("kvcanary serve does not map the Pathways PD workers")
-    hicache = getattr(scheduler.tree_cache, "hicache_enabled", False)
-    tree_cache = scheduler.tree_cache if settings.sweep_interval and not hicache else None
+    tree_cache = scheduler.tree_cache if settings.sweep_interval else None
     if tree_cache is not None and type(tree_cache).__name__ != "RadixCache":
-        raise NotImplementedError(f"kvcanary's sweep maps the RadixCache only; got {type(tree_cache).__name__}")
+        raise NotImplementedError(f"kvcanary's sweep maps the RadixCache only; got {type(tree_cache).__name__} "
+                                  "(run with --canary-sweep-interval 0)")  # fmt: skip
     guard = sglang_jax.wrap(scheduler.tp_worker, settings.config(), tree_cache=tree_cache)
-    if hicache:  # records travel with the host pages; the sweep interval paces the host-resident pages' sweep
+    if getattr(scheduler.tree_cache, "hicache_enabled", False):  # records travel with the host pages
         from kvcanary_jax.integrations import sglang_hicache
 
-        sglang_hicache.carry_records(guard, scheduler.tree_cache, host_sweep_interval=settings.sweep_interval)
+        sglang_hicache.carry_records(guard, scheduler.tree_cache)
     metrics = None
     if scheduler.server_args.enable_metrics:
         from kvcanary_jax.integrations.sglang_metrics import CanaryMetrics
