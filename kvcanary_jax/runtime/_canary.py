@@ -34,8 +34,6 @@ from kvcanary_jax.core._constants import CanaryLaunchTag, Half, Phase, RealKvHas
 from kvcanary_jax.core._state import CanaryDeviceState, allocate_canary_buffer
 from kvcanary_jax.runtime import _adopt, _checks, _inputs, _pool, _step, _sweep
 from kvcanary_jax.runtime._batch import CanaryBatch, CanaryState
-from kvcanary_jax.runtime._checks import DONATED_STATE as DONATED_STATE
-from kvcanary_jax.runtime._checks import check_not_donated as check_not_donated
 from pallas_kernels import checks, mesh
 
 

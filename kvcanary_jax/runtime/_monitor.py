@@ -13,7 +13,7 @@ import numpy as np
 from kvcanary_jax.core import _constants, _incidents, _report
 from kvcanary_jax.core._constants import CanaryMode
 from kvcanary_jax.core._state import u64_pairs_as_int64
-from kvcanary_jax.runtime import _canary, _health
+from kvcanary_jax.runtime import _checks, _health
 from kvcanary_jax.runtime._batch import CanaryState
 from kvcanary_jax.runtime._canary import KvCanary
 from pallas_kernels import checks
@@ -150,7 +150,7 @@ class CanaryMonitor:
         """What the monitor reads: a CanaryState whose ring has the configured capacity."""
         if not isinstance(state, CanaryState):
             raise TypeError(f"state must be a CanaryState (the state the step returned); got {type(state).__name__}")
-        _canary.check_not_donated(state)
+        _checks.check_not_donated(state)
         capacity = state.device.violation_log.ring_capacity
         if capacity != self.config.ring_capacity:
             raise ValueError(
