@@ -9,7 +9,9 @@ The ops, each in its own folder behind its ``api`` module (the contract: signatu
 * ``pallas_kernels.batch_checks.api.check``: a batch's rows and new slots checked, and the rows' roles.
 
 Each op has a pure-jnp ``reference``, a ``pallas_triton`` (GPU) and, where TPU kernels exist, a ``pallas_mosaic``
-(verify, write, phase); ``pallas_kernels.backend`` names the backends and dispatches between them.
+(verify, write, phase); ``pallas_kernels.backend`` names the backends and dispatches between them. The
+contract (signature, docstring, checks) is stated once, in ``api``; the kernel backends of verify and write
+supply only their forward to the one entry point in their op's ``base``.
 """
 
 from pallas_kernels.realkv import RealKvSource as RealKvSource

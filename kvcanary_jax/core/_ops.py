@@ -1,24 +1,21 @@
 """``canary_verify`` and ``canary_write``: run the lower layer's op, append its violations, bump its counters.
 
-Each op is a launch (:func:`verify_launch` / :func:`write_launch`: run the op, leaving the state alone) plus
-:func:`commit` (append its rows, bump its counters). The runner runs a whole phase at once instead
-(:func:`fused_phase`, the lower layer's ``phase`` op: plans, both halves' verify and write, rows and counters, on
-every backend); the ring bytes are the same either way. The public ops check what only this layer knows (state,
-tag, plan type, the token pool) and parse the real-KV mode; ``pallas_kernels`` checks its own arrays, sources and
-backend.
+The runner runs a whole phase at once instead (:func:`fused_phase`, the lower layer's ``phase`` op: plans, both
+halves' verify and write, rows and counters, on every backend); the ring bytes are the same either way. The public
+ops check what only this layer knows (state, tag, plan type, the token pool) and parse the real-KV mode;
+``pallas_kernels`` checks its own arrays, sources and backend.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from kvcanary_jax.core import _constants as constants
 from kvcanary_jax.core import _ring
 from kvcanary_jax.core._config import parse_real_kv_hash_mode
 from kvcanary_jax.core._constants import RealKvHashMode
@@ -29,187 +26,17 @@ from pallas_kernels.phase import api as phase_api
 from pallas_kernels.verify import api as verify_api
 from pallas_kernels.write import api as write_api
 
-# i32[capacity] entry ids -> (u32[capacity, 8, 2] ring rows, i32[capacity, 3] their context)
-RowBuilder = Callable[[jax.Array], tuple[jax.Array, jax.Array]]
-
-
-@dataclasses.dataclass(frozen=True)
-class Launch:
-    """One verify or write launch before its effect on the shared state is applied.
-
-    Attributes:
-      tag: the static launch tag.
-      flags: bool violation flags in append order.
-      build_rows: i32[capacity] entry ids -> (u32[capacity, 8, 2] ring rows, i32[capacity, 3] their context).
-      entries: i32[] the launch's ``slot_run_counters`` increment.
-    """
-
-    tag: int
-    flags: jax.Array
-    build_rows: RowBuilder
-    entries: jax.Array
-
-
-def pending_rows(launches: Sequence[tuple[jax.Array, RowBuilder]], capacity: int) -> list[_ring.PendingRows]:
-    """Each launch's count and the rows of its first ``capacity`` flags, with one prefix sum for all.
-
-    The rows are materialized behind an optimization barrier, so a caller may overwrite the buffers that
-    ``build_rows`` read without XLA copying them to keep the old bytes.
-
-    Args:
-      launches: ``(flags, build_rows)`` per launch, in ring order.
-      capacity: the ring's row count.
-    """
-    counts, entries = _ring.first_entries([flags for flags, _ in launches], capacity)
-    empty = (
-        jnp.zeros((capacity, layout.VIOLATION_FIELDS, 2), jnp.uint32),
-        jnp.full((capacity, constants.CONTEXT_FIELDS), -1, jnp.int32),
-    )
-    built = tuple(build_rows(entries[i]) if flags.size else empty for i, (flags, build_rows) in enumerate(launches))
-    built = lax.optimization_barrier(built)
-    return [_ring.PendingRows(counts[i], rows, context) for i, (rows, context) in enumerate(built)]
-
-
-def append(log: ViolationLog, flags: jax.Array, build_rows: RowBuilder) -> ViolationLog:
-    """Appends one set of rows (one per set flag, in flag order) to the fill-once ring.
-
-    Up to the ring's capacity of flags, every candidate's row is built and scattered to its place; more are
-    listed first (:func:`pending_rows`), so that only ``capacity`` rows are built.
-    """
-    num_flags = flags.size
-    if num_flags > log.ring_capacity:
-        return _ring.place(log, pending_rows([(flags, build_rows)], log.ring_capacity))
-    return _ring.scatter(log, flags, *build_rows(jnp.arange(num_flags, dtype=jnp.int32)))
-
-
-def commit(state: CanaryDeviceState, launch: Launch) -> CanaryDeviceState:
-    """Appends one launch's rows and bumps its counters."""
-    pending = pending_rows([(launch.flags, launch.build_rows)], state.violation_log.ring_capacity)
+def commit(
+    state: CanaryDeviceState, tag: int, flags: jax.Array, build_rows: _ring.RowBuilder, entries: jax.Array
+) -> CanaryDeviceState:
+    """One launch's effect: its rows appended (one per set flag, in flag order), ``kernel_run_counters[tag] += 1``
+    and ``slot_run_counters[tag] += entries``."""
     return dataclasses.replace(
         state,
-        violation_log=_ring.place(state.violation_log, pending),
-        kernel_run_counters=ring.bump(state.kernel_run_counters, {launch.tag: jnp.int32(1)}),
-        slot_run_counters=ring.bump(state.slot_run_counters, {launch.tag: launch.entries}),
+        violation_log=_ring.append(state.violation_log, flags, build_rows),
+        kernel_run_counters=ring.bump(state.kernel_run_counters, {tag: jnp.int32(1)}),
+        slot_run_counters=ring.bump(state.slot_run_counters, {tag: entries}),
     )
-
-
-def verify_launch(
-    canary_buf: jax.Array,
-    plan: VerifyPlan,
-    *,
-    tag: int,
-    real_kv_sources: Sequence[realkv.RealKvSource],
-    real_kv_hash_mode: RealKvHashMode,
-    check_expected_token: bool,
-    backend: str,
-) -> Launch:
-    """:func:`canary_verify`'s launch, from already checked arguments: its fail bits, row builder and count."""
-    capacity = np.shape(plan.slot_indices)[0]  # the array itself is checked by pallas_kernels
-    active = jnp.where(plan.enable[0] != 0, jnp.clip(plan.num_valid[0], 0, capacity), 0)
-    bits = verify_api.verify(
-        canary_buf,
-        plan.slot_indices,
-        plan.expected_tokens,
-        plan.expected_positions,
-        plan.prev_slot_indices,
-        active,
-        real_kv_sources=real_kv_sources,
-        real_kv_hash_mode=int(real_kv_hash_mode),
-        check_expected_token=check_expected_token,
-        backend=backend,
-    )
-
-    def build_rows(entry):
-        slot, prev = plan.slot_indices[entry], plan.prev_slot_indices[entry]
-        token, position, prev_hash, _ = records.load(canary_buf, slot)
-        expected_chain = hash64.where(prev != 0, records.slot_hash(canary_buf, prev), prev_hash)
-        expected_token = plan.expected_tokens[entry] if check_expected_token else jnp.full_like(entry, -1)
-        none = jnp.full_like(entry, -1)  # no batch: no request row, no batch entry
-        rows = _ring.pack_row(
-            [
-                hash64.const(tag, entry),
-                hash64.from_i32(slot),
-                position,
-                token,
-                hash64.from_i32(expected_token),
-                prev_hash,
-                expected_chain,
-                hash64.from_i32(bits[entry]),
-            ]
-        )
-        return rows, _ring.context(none, plan.expected_positions[entry], none)
-
-    return Launch(tag, bits != 0, build_rows, active)
-
-
-def write_launch(
-    canary_buf: jax.Array,
-    plan: WritePlan,
-    input_ids: jax.Array,
-    positions: jax.Array,
-    out_cache_loc: jax.Array,
-    enable_chain_position_assert: jax.Array,
-    *,
-    tag: int,
-    real_kv_sources: Sequence[realkv.RealKvSource],
-    real_kv_hash_mode: RealKvHashMode,
-    expected_inputs: tuple[jax.Array, jax.Array] | None,
-    backend: str,
-    store_after: jax.Array,
-) -> tuple[jax.Array, Launch]:
-    """:func:`canary_write`'s new buffer and launch, from already checked arguments.
-
-    ``expected_inputs`` is ``(tokens, positions)`` of the input assert, or None. ``store_after`` is a traced int32
-    zero (:func:`kvcanary_jax.core._ring.after`) that orders the in-place store after rows already gathered from
-    this buffer.
-    """
-    new_buf, chain = write_api.write(
-        canary_buf,
-        plan.write_offsets,
-        plan.seed_slot_indices,
-        plan.num_valid_reqs,
-        input_ids,
-        positions,
-        out_cache_loc + store_after,
-        enable_chain_position_assert,
-        real_kv_sources=real_kv_sources,
-        real_kv_hash_mode=int(real_kv_hash_mode),
-        backend=backend,
-    )
-    input_bits = jnp.zeros_like(input_ids)
-    if expected_inputs is not None:
-        expected_tokens, expected_positions = expected_inputs
-        input_bits = jnp.where(chain.written & (input_ids != expected_tokens), layout.FAIL_WRITE_TOKEN, 0)
-        input_bits |= jnp.where(chain.written & (positions != expected_positions), layout.FAIL_WRITE_POSITION, 0)
-    # Entry-major, input-assert row before chain-position row: SGLang's order within one entry.
-    flags = jnp.stack([input_bits != 0, chain.position_assert_failed], axis=1)
-
-    def build_rows(entry):
-        i, is_chain_row = entry // 2, entry % 2 == 1
-        token, position = input_ids[i], positions[i]
-        if expected_inputs is None:
-            expected_token, input_aux = token, hash64.from_i32(position)
-        else:
-            expected_token = jnp.where(is_chain_row, token, expected_tokens[i])
-            input_aux = hash64.from_i32(expected_positions[i])
-        aux = hash64.where(is_chain_row, hash64.split(chain.expected_position[i]), input_aux)
-        bits = jnp.where(is_chain_row, layout.FAIL_WRITE_POSITION, input_bits[i])
-        request = jnp.full_like(entry, -1)  # no batch: no request row
-        rows = _ring.pack_row(
-            [
-                hash64.const(tag, entry),
-                hash64.from_i32(out_cache_loc[i]),
-                hash64.from_i32(position),
-                hash64.from_i32(token),
-                hash64.from_i32(expected_token),
-                hash64.split(chain.prev_hash[i]),
-                aux,
-                hash64.from_i32(bits),
-            ]
-        )
-        return rows, _ring.context(request, lax.bitcast_convert_type(aux[0], jnp.int32), i)
-
-    return new_buf, Launch(tag, flags, build_rows, jnp.sum(chain.written, dtype=jnp.int32))
 
 
 def fused_phase(
@@ -327,16 +154,32 @@ def canary_verify(
             "check_expected_token=True needs the expected-token pool, but state.req_to_verify_expected_tokens is "
             "None; allocate the state with CanaryConfig(enable_verify_token_assert=True)"
         )
-    launch = verify_launch(
+    capacity = np.shape(plan.slot_indices)[0]  # the array itself is checked by pallas_kernels
+    active = jnp.where(plan.enable[0] != 0, jnp.clip(plan.num_valid[0], 0, capacity), 0)
+    bits = verify_api.verify(
         canary_buf,
-        plan,
-        tag=tag,
+        plan.slot_indices,
+        plan.expected_tokens,
+        plan.expected_positions,
+        plan.prev_slot_indices,
+        active,
         real_kv_sources=sources,
-        real_kv_hash_mode=mode,
+        real_kv_hash_mode=int(mode),
         check_expected_token=check_expected_token,
         backend=backend,
     )
-    return commit(state, launch)
+
+    def build_rows(entry):
+        slot, prev = plan.slot_indices[entry], plan.prev_slot_indices[entry]
+        expected_token = plan.expected_tokens[entry] if check_expected_token else jnp.full_like(entry, -1)
+        fields = phase_api.verify_row(
+            tag, slot, prev, records.load(canary_buf, slot), records.slot_hash(canary_buf, prev), expected_token,
+            bits[entry],
+        )  # fmt: skip
+        none = jnp.full_like(entry, -1)  # no batch: no request row, no batch entry
+        return ring.pack_row(fields), ring.row_context(none, plan.expected_positions[entry], none)
+
+    return commit(state, tag, bits != 0, build_rows, active)
 
 
 @mesh.entry_point(
@@ -395,21 +238,44 @@ def canary_write(
         raise TypeError(f"plan must be a WritePlan; got {type(plan).__name__}")
     expected_inputs = _expected_inputs(input_ids, expected_input_tokens, expected_input_positions)
     checks.array("out_cache_loc", out_cache_loc, dtype=jnp.int32, ndim=1)  # before the ordering zero is added
-    new_buf, launch = write_launch(
+    new_buf, chain = write_api.write(
         canary_buf,
-        plan,
+        plan.write_offsets,
+        plan.seed_slot_indices,
+        plan.num_valid_reqs,
         input_ids,
         positions,
-        out_cache_loc,
+        out_cache_loc + ring.after(state.violation_log.violation_ring),  # the store waits for the ring's rows
         state.enable_chain_position_assert,
-        tag=tag,
         real_kv_sources=sources,
-        real_kv_hash_mode=mode,
-        expected_inputs=expected_inputs,
+        real_kv_hash_mode=int(mode),
         backend=backend,
-        store_after=_ring.after(state.violation_log.violation_ring),
     )
-    return new_buf, commit(state, launch)
+    input_bits = jnp.zeros_like(input_ids)
+    if expected_inputs is not None:
+        expected_tokens, expected_positions = expected_inputs
+        input_bits = jnp.where(chain.written & (input_ids != expected_tokens), layout.FAIL_WRITE_TOKEN, 0)
+        input_bits |= jnp.where(chain.written & (positions != expected_positions), layout.FAIL_WRITE_POSITION, 0)
+    # Entry-major, input-assert row before chain-position row: SGLang's order within one entry.
+    flags = jnp.stack([input_bits != 0, chain.position_assert_failed], axis=1)
+
+    def build_rows(entry):
+        i, is_chain_row = entry // 2, entry % 2 == 1
+        token, position = input_ids[i], positions[i]
+        if expected_inputs is None:
+            expected_token, input_aux = token, hash64.from_i32(position)
+        else:
+            expected_token = jnp.where(is_chain_row, token, expected_tokens[i])
+            input_aux = hash64.from_i32(expected_positions[i])
+        aux = hash64.where(is_chain_row, hash64.split(chain.expected_position[i]), input_aux)
+        bits = jnp.where(is_chain_row, layout.FAIL_WRITE_POSITION, input_bits[i])
+        fields = phase_api.write_row(
+            tag, out_cache_loc[i], position, token, expected_token, hash64.split(chain.prev_hash[i]), aux, bits
+        )
+        request = jnp.full_like(entry, -1)  # no batch: no request row
+        return ring.pack_row(fields), ring.row_context(request, lax.bitcast_convert_type(aux[0], jnp.int32), i)
+
+    return new_buf, commit(state, tag, flags, build_rows, jnp.sum(chain.written, dtype=jnp.int32))
 
 
 def _expected_inputs(input_ids, tokens, positions) -> tuple[jax.Array, jax.Array] | None:

@@ -1,90 +1,52 @@
-"""The fill-once violation ring: a deterministic emulation of SGLang's atomic append.
+"""The fill-once violation ring's append: a deterministic emulation of SGLang's atomic append.
 
 SGLang reserves ``idx = atomicAdd(index, 1)`` and writes row ``idx`` only if ``idx < capacity``. Here the
-reservation is a prefix sum over each launch's violation flags, so rows land in launch order and, within a launch,
-in flag (plan-entry) order on every backend. An append has two halves, so that several launches share one prefix
-sum and one ring update (the decode step's launches are many and small):
-
-* :func:`first_entries` ranks every launch's flags with one exclusive prefix sum and lists, per launch, the entry
-  ids of its first ``capacity`` set flags (the ``mode="drop"`` scatter of SPEC §2, over every launch at once);
-  the caller turns those ids into rows;
-* :func:`place` writes the rows at the ring's write index, launch after launch, and advances the index.
-
-A single small set of rows (no more candidates than the ring has rows) skips the listing: :func:`scatter` puts
-each flagged candidate's row straight at its place.
+reservation is a prefix sum over a launch's violation flags, so rows land in flag (plan-entry) order on every
+backend, and the index counts every flag, saturating at 2^31 - 1. The phase op places its launches with
+``pallas_kernels.ring.place``; :func:`append` places one set of rows with it too, or scatters each straight to its
+place when there are no more candidates than ring rows (the same bytes).
 """
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
-import numpy as np
+from jax import lax
 
 from kvcanary_jax.core._state import ViolationLog
 from pallas_kernels import prefix, ring
 
 _INT32_MAX = jnp.iinfo(jnp.int32).max
-pack_row = ring.pack_row  # a ring row from its eight u64 fields
-context = ring.row_context  # a ring row's context (request row, expected position, batch entry)
-after = ring.after  # orders an in-place store after rows gathered from the buffer
+
+# i32[n] entry ids -> (u32[n, 8, 2] ring rows, i32[n, 3] their context)
+RowBuilder = Callable[[jax.Array], tuple[jax.Array, jax.Array]]
 
 
-@dataclasses.dataclass(frozen=True)
-class PendingRows:
-    """One launch's violations, ready to place.
+def append(log: ViolationLog, flags: jax.Array, build_rows: RowBuilder) -> ViolationLog:
+    """Appends one set of rows (one per set flag, in flag order) to the fill-once ring.
 
-    Attributes:
-      count: i32[] flags the launch set (the write index grows by this much).
-      rows: u32[capacity, 8, 2]; row k belongs to the launch's k-th set flag, for k < min(count, capacity).
-      context: i32[capacity, 3] each row's context (request row, expected position, batch entry; -1 = none).
+    Up to the ring's capacity of flags, every candidate's row is built and scattered to its place. With more, the
+    first ``capacity`` set flags are listed first, so that only ``capacity`` rows are built; they are materialised
+    behind an optimization barrier, so a caller may overwrite the buffers ``build_rows`` read without XLA copying
+    them to keep the old bytes.
     """
-
-    count: jax.Array
-    rows: jax.Array
-    context: jax.Array
-
-
-def first_entries(flags: Sequence[jax.Array], capacity: int) -> tuple[jax.Array, jax.Array]:
-    """Counts each launch's set flags and lists the entry ids of its first ``capacity`` ones, in flag order.
-
-    One exclusive prefix sum over every launch's flags gives each flag its rank in its launch, and one scatter
-    with ``mode="drop"`` (sentinel = out of range) puts the entry ids of each launch's first ``capacity`` flags
-    in rank order.
-
-    Args:
-      flags: per launch, bool flags in append order (any shape; flattened row-major).
-      capacity: the ring's row count.
-
-    Returns:
-      ``(counts i32[L], entries i32[L, capacity])``; ``entries[i, k]`` is launch i's k-th flagged entry for
-      ``k < min(counts[i], capacity)``, and 0 past that.
-    """
-    flat = [f.reshape(-1) for f in flags]
-    sizes = [f.shape[0] for f in flat]
-    ones = jnp.concatenate([*flat, jnp.zeros((0,), bool)]).astype(jnp.int32)
-    set_before = jnp.concatenate(
-        [jnp.zeros((1,), jnp.int32), prefix.inclusive_sum(ones)]
-    )  # set flags before each entry
-    bounds = np.cumsum([0, *sizes])  # static launch boundaries
-    at_bounds = set_before[bounds]
-    counts = at_bounds[1:] - at_bounds[:-1]
-    launch = jnp.asarray(np.repeat(np.arange(len(sizes), dtype=np.int32), sizes))
-    rank = set_before[:-1] - at_bounds[:-1][launch]  # exclusive prefix sum within the launch
-    dropped = len(sizes) * capacity
-    target = jnp.where((ones != 0) & (rank < capacity), launch * capacity + rank, dropped)
-    local = jnp.arange(ones.shape[0], dtype=jnp.int32) - jnp.asarray(bounds[:-1], jnp.int32)[launch]
-    entries = jnp.zeros((dropped,), jnp.int32).at[target].set(local, mode="drop")
-    return counts, entries.reshape(len(sizes), capacity)
+    flags = flags.reshape(-1)
+    if flags.size <= log.ring_capacity:
+        return _scatter(log, flags, *build_rows(jnp.arange(flags.size, dtype=jnp.int32)))
+    (entries,) = jnp.nonzero(flags, size=log.ring_capacity, fill_value=0)
+    rows, context = lax.optimization_barrier(build_rows(entries.astype(jnp.int32)))
+    pending = [(jnp.sum(flags, dtype=jnp.int32), rows, context)]
+    placed, ctx, index = ring.place(log.violation_ring, log.violation_context, log.violation_write_index, pending)
+    return ViolationLog(violation_ring=placed, violation_write_index=index, violation_context=ctx)
 
 
-def scatter(log: ViolationLog, flags: jax.Array, rows: jax.Array, context: jax.Array) -> ViolationLog:
+def _scatter(log: ViolationLog, flags: jax.Array, rows: jax.Array, context: jax.Array) -> ViolationLog:
     """Writes the row of each set flag (``rows`` u32[n, 8, 2], ``context`` i32[n, 3], one per flag) at the write
     index in flag order where the ring has room, and advances the index (saturating): one prefix sum and one
-    in-place scatter per array, whatever the ring's size. The same bytes as :func:`place` of those rows."""
-    ones = flags.reshape(-1).astype(jnp.int32)
+    in-place scatter per array, whatever the ring's size."""
+    ones = flags.astype(jnp.int32)
     rank = prefix.inclusive_sum(ones) - ones
     start = log.violation_write_index[0]
     room = jnp.maximum(log.ring_capacity - start, 0)
@@ -93,18 +55,5 @@ def scatter(log: ViolationLog, flags: jax.Array, rows: jax.Array, context: jax.A
     ctx = log.violation_context
     if ctx is not None:
         ctx = ctx.at[target].set(context, mode="drop")
-    index = _saturating_add(start, jnp.sum(ones)).reshape(1).astype(jnp.int32)
+    index = (start + jnp.minimum(jnp.sum(ones), _INT32_MAX - start)).reshape(1).astype(jnp.int32)
     return ViolationLog(violation_ring=new_ring, violation_write_index=index, violation_context=ctx)
-
-
-def _saturating_add(a: jax.Array, b: jax.Array) -> jax.Array:
-    """``a + b`` for non-negative int32s, stopping at 2^31 - 1 instead of wrapping."""
-    return a + jnp.minimum(b, _INT32_MAX - a)
-
-
-def place(log: ViolationLog, pending: Sequence[PendingRows]) -> ViolationLog:
-    """Writes the launches' rows at the write index, in launch order, where the fill-once ring has room
-    (``pallas_kernels.ring.place``, the phase op's placement); the index saturates at 2^31 - 1."""
-    rows = [(p.count, p.rows, p.context) for p in pending]
-    placed, ctx, index = ring.place(log.violation_ring, log.violation_context, log.violation_write_index, rows)
-    return ViolationLog(violation_ring=placed, violation_write_index=index, violation_context=ctx)

@@ -9,12 +9,16 @@ import numpy as np
 
 from kvcanary_jax.core._state import CanaryDeviceState, ViolationLog
 from kvcanary_jax.runtime import _pool
+from pallas_kernels.phase import api as phase_api
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class CanaryBatch:
+class CanaryBatch(phase_api.Batch):
     """One forward step as the canary sees it: static shapes, int32 arrays, request-major tokens.
+
+    It is the lower layer's batch (``pallas_kernels.phase.api.Batch``) under its public name: the runner hands it
+    to the phase op as it is, with the config's choices and the batch checks' row roles filled in.
 
     A batch has ``bs`` rows (requests) and ``T`` token entries. Row ``r`` owns the ``extend_lens[r]`` entries
     starting at ``sum(extend_lens[:r])``. Padding rows may sit anywhere; how they are marked is
@@ -50,20 +54,8 @@ class CanaryBatch:
       token_ids: i32[max_reqs, max_context_len] token id of each (request row, position), mirroring
         ``req_to_token``. Required when ``config.enable_verify_token_assert``, ignored otherwise.
       token_ids_lens: i32[bs] how many leading ``token_ids`` of each row are known (checks past it are skipped).
+      active, span_lens: the rows' roles, which the runner sets from its batch checks; leave them None.
     """
-
-    req_pool_indices: jax.Array
-    prefix_lens: jax.Array
-    extend_lens: jax.Array
-    req_to_token: jax.Array
-    input_ids: jax.Array
-    positions: jax.Array
-    out_cache_loc: jax.Array
-    full_to_swa_index_mapping: jax.Array | None = None
-    expected_input_ids: jax.Array | None = None
-    expected_positions: jax.Array | None = None
-    token_ids: jax.Array | None = None
-    token_ids_lens: jax.Array | None = None
 
     def __post_init__(self):
         for field in dataclasses.fields(self):

@@ -294,10 +294,15 @@ class KvCanary:
             if group_plan is None:
                 raise ValueError(f"the sweep plan has no {g.name.upper()} plan but the pool has that group")
             for half in self.halves:
-                launch = _step.sweep_verify(
-                    self, state.buffers(g).buffer(Phase.SWEEP, half), group_plan, g, Phase.SWEEP, half, kv_cache_sources
+                device = _ops.canary_verify(
+                    device,
+                    state.buffers(g).buffer(Phase.SWEEP, half),
+                    group_plan,
+                    tag=g.tag(Phase.SWEEP, half),
+                    real_kv_sources=kv_cache_sources.get(g, half),
+                    real_kv_hash_mode=self.config.real_kv_hash_mode,
+                    backend=self.config.backend,
                 )
-                device = _ops.commit(device, launch)
         return dataclasses.replace(state, device=device)
 
     def adopt_plan(self, entries: _adopt.AdoptEntries, capacity: int | None = None) -> _adopt.AdoptPlan:

@@ -16,6 +16,7 @@ from kvcanary_jax.core._constants import Half, Phase, RealKvHashMode
 from kvcanary_jax.runtime import _pool
 from kvcanary_jax.runtime._batch import CanaryBatch, CanaryState
 from pallas_kernels import checks, realkv
+from pallas_kernels.phase import api as phase_api
 
 if TYPE_CHECKING:
     from kvcanary_jax.runtime._canary import KvCanary
@@ -93,10 +94,11 @@ def check_state(canary: KvCanary, state) -> None:
 
 
 def checked_batch(canary: KvCanary, state, batch) -> CanaryBatch:
-    """Checks the batch's arrays and what the config needs of it; returns it with every field a jax array.
+    """Checks the batch against the canary; returns it with every field a jax array.
 
-    Shapes, dtypes and presence are static, so they are checked here, at trace time, naming the field; the
-    values are checked in the step (:mod:`kvcanary_jax.runtime._inputs`).
+    Shapes, dtypes and presence are static, so they are checked here, at trace time, naming the field: what the
+    config needs of the batch, here, and its arrays by the phase op's ``check_batch`` (the one set of array checks).
+    The values are checked in the step (:mod:`kvcanary_jax.runtime._inputs`).
     """
     check_state(canary, state)
     if not isinstance(batch, CanaryBatch):
@@ -104,6 +106,8 @@ def checked_batch(canary: KvCanary, state, batch) -> CanaryBatch:
     arrays = {}
     for field in dataclasses.fields(CanaryBatch):
         x = getattr(batch, field.name)
+        if x is not None and field.name in ("active", "span_lens"):
+            raise ValueError(f"batch.{field.name} is the runner's (from its batch checks); leave it None")
         if x is None:
             if field.name in _REQUIRED_FIELDS:
                 raise TypeError(f"batch.{field.name} is required (an int32 array); got None")
@@ -111,65 +115,52 @@ def checked_batch(canary: KvCanary, state, batch) -> CanaryBatch:
             raise TypeError(f"batch.{field.name} must be an int32 array; got {type(x).__name__}")
         else:
             arrays[field.name] = jnp.asarray(x)  # a host (numpy) batch works eagerly too
-    rows = {f"batch.{n}": arrays[n] for n in ("req_pool_indices", "prefix_lens", "extend_lens")}
-    tokens = {f"batch.{n}": arrays[n] for n in ("input_ids", "positions", "out_cache_loc")}
-    if canary.config.enable_write_input_assert:
-        if "expected_input_ids" not in arrays:
-            raise ValueError(
-                "config.enable_write_input_assert compares written tokens with batch.expected_input_ids, but it "
-                "is None; pass the oracle's tokens (i32[T]) or turn the assert off"
-            )
-        tokens.update(
-            {f"batch.{n}": arrays[n] for n in ("expected_input_ids", "expected_positions") if n in arrays}
-        )
-    for group in (rows, tokens):
-        for name, x in group.items():
-            checks.array(name, x, dtype=jnp.int32, ndim=1)
-            if not x.shape[0]:
-                raise ValueError(
-                    f"{name} needs at least one entry (shapes are static: pad it); got {name}.shape=(0,)"
-                )
-        checks.same_length(group)
-    table = arrays["req_to_token"]
-    checks.array("batch.req_to_token", table, dtype=jnp.int32, ndim=2)
-    if 0 in table.shape:  # the plans gather from it (clamping), so each axis needs an entry
+    for name in ("req_pool_indices", "prefix_lens", "extend_lens", "input_ids", "positions", "out_cache_loc"):
+        checks.array(f"batch.{name}", arrays[name], dtype=jnp.int32, ndim=1)
+        if not arrays[name].shape[0]:  # shapes are static
+            raise ValueError(f"batch.{name} needs at least one entry (pad it); got batch.{name}.shape=(0,)")
+    c, swa = canary.config, canary.pool.swa is not None
+    if c.enable_write_input_assert and "expected_input_ids" not in arrays:
         raise ValueError(
-            f"batch.req_to_token needs at least one row and one column; got batch.req_to_token.shape={table.shape}"
+            "config.enable_write_input_assert compares written tokens with batch.expected_input_ids, but it "
+            "is None; pass the oracle's tokens (i32[T]) or turn the assert off"
         )
-    if canary.pool.swa is not None:
-        lut = arrays.get("full_to_swa_index_mapping")
-        if lut is None:
+    if swa and "full_to_swa_index_mapping" not in arrays:
+        raise ValueError(
+            "the pool has an SWA group, so batch.full_to_swa_index_mapping (i32[num_slots + 1], the full->SWA "
+            "slot table) is required"
+        )
+    if c.enable_verify_token_assert and ("token_ids" not in arrays or "token_ids_lens" not in arrays):
+        raise ValueError(
+            "config.enable_verify_token_assert needs batch.token_ids (i32[max_reqs, max_context_len]) and "
+            "batch.token_ids_lens (i32[bs]); pass the requests' token history or turn the assert off"
+        )
+    batch = dataclasses.replace(batch, **arrays)
+    used = {  # the fields this config reads; the others are ignored
+        "full_to_swa_index_mapping": swa,
+        "expected_input_ids": c.enable_write_input_assert,
+        "expected_positions": c.enable_write_input_assert,
+        "token_ids": c.enable_verify_token_assert,
+        "token_ids_lens": c.enable_verify_token_assert,
+    }
+    launched = {name: getattr(batch, name) if on else None for name, on in used.items()}
+    phase_api.check_batch(dataclasses.replace(batch, **launched))
+    if swa and batch.full_to_swa_index_mapping.shape[0] < canary.pool.num_slots:
+        raise ValueError(
+            f"batch.full_to_swa_index_mapping must map every full-pool slot (i32[num_slots + 1], "
+            f"num_slots={canary.pool.num_slots}); got batch.full_to_swa_index_mapping.shape="
+            f"{tuple(batch.full_to_swa_index_mapping.shape)}"
+        )
+    if c.enable_verify_token_assert:
+        pool_shape = tuple(state.device.req_to_verify_expected_tokens.shape)
+        if tuple(batch.req_to_token.shape) != pool_shape:
             raise ValueError(
-                "the pool has an SWA group, so batch.full_to_swa_index_mapping (i32[num_slots + 1], the full->SWA "
-                "slot table) is required"
-            )
-        checks.array("batch.full_to_swa_index_mapping", lut, dtype=jnp.int32, ndim=1)
-        if lut.shape[0] < canary.pool.num_slots:
-            raise ValueError(
-                f"batch.full_to_swa_index_mapping must map every full-pool slot (i32[num_slots + 1], "
-                f"num_slots={canary.pool.num_slots}); got batch.full_to_swa_index_mapping.shape={tuple(lut.shape)}"
-            )
-    if canary.config.enable_verify_token_assert:
-        if "token_ids" not in arrays or "token_ids_lens" not in arrays:
-            raise ValueError(
-                "config.enable_verify_token_assert needs batch.token_ids (i32[max_reqs, max_context_len]) and "
-                "batch.token_ids_lens (i32[bs]); pass the requests' token history or turn the assert off"
-            )
-        pool_shape = state.device.req_to_verify_expected_tokens.shape
-        if tuple(table.shape) != tuple(pool_shape):
-            raise ValueError(
-                f"batch.req_to_token must have CanaryPool's shape (max_reqs, max_context_len)={tuple(pool_shape)} "
+                f"batch.req_to_token must have CanaryPool's shape (max_reqs, max_context_len)={pool_shape} "
                 f"while the verify-token assert keeps a token pool of that shape; got batch.req_to_token.shape="
-                f"{tuple(table.shape)}"
+                f"{tuple(batch.req_to_token.shape)}"
             )
-        checks.array("batch.token_ids", arrays["token_ids"], dtype=jnp.int32, shape=pool_shape)
-        checks.array(
-            "batch.token_ids_lens",
-            arrays["token_ids_lens"],
-            dtype=jnp.int32,
-            shape=arrays["req_pool_indices"].shape,
-        )
-    return dataclasses.replace(batch, **arrays)
+        checks.array("batch.token_ids", batch.token_ids, dtype=jnp.int32, shape=pool_shape)
+    return batch
 
 
 def check_sources(canary: KvCanary, sources) -> None:

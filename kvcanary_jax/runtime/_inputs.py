@@ -26,9 +26,9 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from kvcanary_jax.core import _ops, _ring
+from kvcanary_jax.core import _ring
 from kvcanary_jax.core._state import CanaryDeviceState
-from pallas_kernels.batch_checks import api as batch_checks
+from pallas_kernels import ring
 from pallas_kernels.phase import api as phase_api
 
 
@@ -69,54 +69,8 @@ class Issues:
 
         def build_rows(entry):
             at = {f.name: getattr(self, f.name)[entry] for f in dataclasses.fields(Issues)}
-            rows = _ring.pack_row(phase_api.input_row(tag, **at))
-            return rows, _ring.context(at["request"], at["position"], at["entry"])
+            rows = ring.pack_row(phase_api.input_row(tag, **at))
+            return rows, ring.row_context(at["request"], at["position"], at["entry"])
 
-        log = _ops.append(device.violation_log, self.problem != 0, build_rows)
+        log = _ring.append(device.violation_log, self.problem != 0, build_rows)
         return dataclasses.replace(device, violation_log=log)
-
-
-def check_rows(
-    batch,
-    *,
-    padding: str,
-    table_rows: int,
-    context_len: int,
-    num_slots: int,
-    token_ids_width: int | None,
-    swa_num_slots: int | None,
-    backend: str,
-) -> batch_checks.Checked:
-    """Checks each batch row (its request row, its lengths, its tokens' span) and each request token's new slot;
-    says which rows are requests (``pallas_kernels.batch_checks``: one Triton launch on GPU, jnp elsewhere).
-
-    Args:
-      batch: the :class:`CanaryBatch` (jax arrays).
-      padding: the pool's convention: ``"negative"`` (rows < 0 are padding), ``"reserved"`` (row 0 is padding) or
-        ``"none"`` (no padding rows).
-      table_rows, context_len: ``req_to_token``'s shape.
-      num_slots: the FULL pool's slots.
-      token_ids_width: the expected-token pool's width when the verify-token assert is on, else None.
-      swa_num_slots: the SWA group's slots (its candidates: ``swa_issues``), or None without an SWA group.
-      backend: the canary's backend; the op has no Mosaic kernel, so on TPU it runs its jnp reference.
-
-    Returns:
-      The op's :class:`~pallas_kernels.batch_checks.reference.Checked`, which the runner carries through the step:
-      the rows' roles (``active``, ``span_lens``, ``span_starts``, ``token_rows``) and ``issues``, the FULL group's
-      ``INVALID_INPUT`` candidates (and ``swa_issues``, the SWA group's).
-    """
-    return batch_checks.check(
-        batch.req_pool_indices,
-        batch.prefix_lens,
-        batch.extend_lens,
-        batch.out_cache_loc,
-        None if token_ids_width is None else batch.token_ids_lens,
-        padding=padding,
-        table_rows=table_rows,
-        context_len=context_len,
-        num_slots=num_slots,
-        token_ids_width=token_ids_width,
-        full_to_swa_index_mapping=None if swa_num_slots is None else batch.full_to_swa_index_mapping,
-        swa_num_slots=swa_num_slots,
-        backend={"interpret_tpu": "xla", "pallas": "auto"}.get(backend, backend),
-    )

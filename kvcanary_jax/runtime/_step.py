@@ -9,12 +9,11 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING
 
-import jax
 import jax.numpy as jnp
 
 from kvcanary_jax.core import _ops
 from kvcanary_jax.core._constants import Phase
-from kvcanary_jax.runtime import _inputs, _pool
+from kvcanary_jax.runtime import _pool
 from kvcanary_jax.runtime._batch import CanaryBatch, CanaryState
 from pallas_kernels.batch_checks import api as batch_checks
 from pallas_kernels.phase import api as phase_api
@@ -40,22 +39,13 @@ def forward_phase(
     the HEAD's verify overflow.
     """
     head = phase is Phase.HEAD
-    check_token = canary.config.enable_verify_token_assert
-    expected = expected_inputs(canary, batch) or (None, None)
-    token_pool = state.device.req_to_verify_expected_tokens if check_token else None
-    phase_batch = phase_api.Batch(
-        req_pool_indices=batch.req_pool_indices,
-        prefix_lens=batch.prefix_lens,
-        extend_lens=batch.extend_lens,
-        req_to_token=batch.req_to_token,
-        input_ids=batch.input_ids,
-        positions=batch.positions,
-        out_cache_loc=batch.out_cache_loc,
+    pool = state.device.req_to_verify_expected_tokens if canary.config.enable_verify_token_assert else None
+    phase_batch = dataclasses.replace(  # the config's choices and the checks' roles; the rest as given
+        batch,
         full_to_swa_index_mapping=batch.full_to_swa_index_mapping if g.window else None,
-        token_pool=token_pool,
-        token_pool_lens=None if token_pool is None else jnp.clip(batch.token_ids_lens, 0, token_pool.shape[1]),
-        expected_input_ids=expected[0],
-        expected_input_positions=expected[1],
+        expected_input_ids=batch.expected_input_ids if canary.config.enable_write_input_assert else None,
+        token_ids=pool,
+        token_ids_lens=None if pool is None else jnp.clip(batch.token_ids_lens, 0, pool.shape[1]),
         active=rows.active,
         span_lens=rows.span_lens,
     )
@@ -93,39 +83,26 @@ def phase_spec(canary: KvCanary, g: _pool.Group, phase: Phase) -> phase_api.Phas
 
 
 def rows(canary: KvCanary, state: CanaryState, batch: CanaryBatch) -> batch_checks.Checked:
-    """The batch checks' result (``_inputs.check_rows``): the rows' roles and the groups' candidates."""
-    token_pool = state.device.req_to_verify_expected_tokens
-    return _inputs.check_rows(
-        batch,
+    """The batch checks (the lower layer's ``batch_checks`` op; :mod:`._inputs` says what they check): the rows'
+    roles and each group's ``INVALID_INPUT`` candidates. The op has no Mosaic kernel: on TPU it runs its jnp
+    reference."""
+    width = state.device.req_to_verify_expected_tokens.shape[1] if canary.config.enable_verify_token_assert else None
+    swa, backend = canary.pool.swa, canary.config.backend
+    return batch_checks.check(
+        batch.req_pool_indices,
+        batch.prefix_lens,
+        batch.extend_lens,
+        batch.out_cache_loc,
+        None if width is None else batch.token_ids_lens,
         padding=canary.pool.padding,
         table_rows=batch.req_to_token.shape[0],
         context_len=batch.req_to_token.shape[1],
         num_slots=canary.pool.num_slots,
-        token_ids_width=token_pool.shape[1] if canary.config.enable_verify_token_assert else None,
-        swa_num_slots=None if canary.pool.swa is None else canary.pool.swa.num_slots,
-        backend=canary.config.backend,
+        token_ids_width=width,
+        full_to_swa_index_mapping=None if swa is None else batch.full_to_swa_index_mapping,
+        swa_num_slots=None if swa is None else swa.num_slots,
+        backend={"interpret_tpu": "xla", "pallas": "auto"}.get(backend, backend),
     )
-
-
-def sweep_verify(canary: KvCanary, buf, plan, g, phase, half, sources) -> _ops.Launch:
-    """A sweep's verify launch of one half."""
-    return _ops.verify_launch(
-        buf,
-        plan,
-        tag=g.tag(phase, half),
-        real_kv_sources=sources.get(g, half),
-        real_kv_hash_mode=canary.config.real_kv_hash_mode,
-        check_expected_token=False,
-        backend=canary.config.backend,
-    )
-
-
-def expected_inputs(canary: KvCanary, batch: CanaryBatch) -> tuple[jax.Array, jax.Array] | None:
-    """The write input assert's oracle ``(tokens, positions)``, or None when the assert is off."""
-    if not canary.config.enable_write_input_assert:
-        return None
-    positions = batch.positions if batch.expected_positions is None else batch.expected_positions
-    return batch.expected_input_ids, positions
 
 
 def update_expected_tokens(

@@ -15,11 +15,11 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from kvcanary_jax.core import _ops, _ring
+from kvcanary_jax.core import _ring
 from kvcanary_jax.core._constants import FailReason
 from kvcanary_jax.core._state import CanaryDeviceState
 from kvcanary_jax.sharded._layout import MeshLayout
-from pallas_kernels import checks, hash64, layout, records
+from pallas_kernels import checks, hash64, layout, records, ring
 
 PEER_SHIFT = 32  # the peer's TP index lives in the high word of fail_reason_bits
 
@@ -69,7 +69,7 @@ def cross_shard_check(
             jnp.full_like(entry, int(FailReason.SHARD_CHAIN_MISMATCH), dtype=jnp.uint32),
             consensus[entry].astype(jnp.uint32),
         )
-        rows = _ring.pack_row(
+        rows = ring.pack_row(
             [
                 hash64.const(tag, entry),
                 hash64.from_i32(out_cache_loc[entry]),
@@ -82,7 +82,7 @@ def cross_shard_check(
             ]
         )
         unknown = jnp.full_like(entry, -1)
-        return rows, _ring.context(unknown, lax.bitcast_convert_type(position[0], jnp.int32), entry)
+        return rows, ring.row_context(unknown, lax.bitcast_convert_type(position[0], jnp.int32), entry)
 
-    log = _ops.append(state.violation_log, flags, build_rows)
+    log = _ring.append(state.violation_log, flags, build_rows)
     return dataclasses.replace(state, violation_log=log)

@@ -268,20 +268,9 @@ def _kernel(*refs, st: _Static):
     ),
 )
 def check(
-    req_pool_indices: jax.Array,
-    prefix_lens: jax.Array,
-    extend_lens: jax.Array,
-    out_cache_loc: jax.Array,
-    token_ids_lens: jax.Array | None,
-    *,
-    padding: str,
-    table_rows: int,
-    context_len: int,
-    num_slots: int,
-    token_ids_width: int | None,
-    interpret: bool = False,
-    config: Config | None = None,
-) -> reference.Checked:
+    req_pool_indices, prefix_lens, extend_lens, out_cache_loc, token_ids_lens, *, padding, table_rows, context_len,
+    num_slots, token_ids_width, interpret=False, config=None,
+) -> reference.Checked:  # fmt: skip
     """Same contract as ``reference.check``, in one launch (a batch needs at least one row and one token)."""
     config = config or Config(
         row_chunk=min(32, compat.next_power_of_2(req_pool_indices.shape[0])),

@@ -16,18 +16,18 @@ Log = common.Log
 PhaseSpec = common.PhaseSpec
 INPUT_ISSUE_FIELDS = common.INPUT_ISSUE_FIELDS  # the rows of ``input_issues``
 input_row = common.input_row  # the eight fields of an INVALID_INPUT row, as the phase writes them
+verify_row = common.verify_row  # ... of a verify row
+write_row = common.write_row  # ... of a write row (input assert or chain position)
 
 
-def _check_batch(batch: Batch) -> tuple[int, int]:
+def check_batch(batch: Batch) -> tuple[int, int]:
+    """Checks a batch's arrays (int32, ranks, matching lengths) and the fields that go together, naming the field;
+    returns ``(R, T)``. The runner checks its batches with it too."""
     if not isinstance(batch, Batch):
         raise TypeError(f"batch must be a pallas_kernels.phase.api.Batch; got {type(batch).__name__}")
-    requests = {
-        "req_pool_indices": batch.req_pool_indices,
-        "prefix_lens": batch.prefix_lens,
-        "extend_lens": batch.extend_lens,
-    }
+    requests = {f"batch.{n}": getattr(batch, n) for n in ("req_pool_indices", "prefix_lens", "extend_lens")}
     for name, x in requests.items():
-        checks.array(f"batch.{name}", x, dtype=jnp.int32, ndim=1)
+        checks.array(name, x, dtype=jnp.int32, ndim=1)
     num_reqs = checks.same_length(requests)
     if num_reqs < 1:
         raise ValueError(f"the batch needs at least one request row; got req_pool_indices.shape={(num_reqs,)}")
@@ -37,26 +37,20 @@ def _check_batch(batch: Batch) -> tuple[int, int]:
             "batch.req_to_token needs at least one row and one column; got "
             f"batch.req_to_token.shape={tuple(batch.req_to_token.shape)}"
         )
-    tokens = {"input_ids": batch.input_ids, "positions": batch.positions, "out_cache_loc": batch.out_cache_loc}
-    if (batch.expected_input_ids is None) != (batch.expected_input_positions is None):
-        raise ValueError(
-            "batch.expected_input_ids and batch.expected_input_positions turn on the input assert together"
-        )
-    if batch.expected_input_ids is not None:
-        tokens |= {
-            "expected_input_ids": batch.expected_input_ids,
-            "expected_input_positions": batch.expected_input_positions,
-        }
+    names = ("input_ids", "positions", "out_cache_loc")
+    if batch.expected_input_ids is not None:  # the input assert: its positions default to ``positions``
+        names += ("expected_input_ids",) + (("expected_positions",) if batch.expected_positions is not None else ())
+    tokens = {f"batch.{n}": getattr(batch, n) for n in names}
     for name, x in tokens.items():
-        checks.array(f"batch.{name}", x, dtype=jnp.int32, ndim=1)
+        checks.array(name, x, dtype=jnp.int32, ndim=1)
     num_tokens = checks.same_length(tokens)
     if batch.full_to_swa_index_mapping is not None:
         checks.array("batch.full_to_swa_index_mapping", batch.full_to_swa_index_mapping, dtype=jnp.int32, ndim=1)
-    if (batch.token_pool is None) != (batch.token_pool_lens is None):
-        raise ValueError("batch.token_pool and batch.token_pool_lens turn on the verify-token check together")
-    if batch.token_pool is not None:
-        checks.array("batch.token_pool", batch.token_pool, dtype=jnp.int32, ndim=2)
-        checks.array("batch.token_pool_lens", batch.token_pool_lens, dtype=jnp.int32, shape=(num_reqs,))
+    if (batch.token_ids is None) != (batch.token_ids_lens is None):
+        raise ValueError("batch.token_ids and batch.token_ids_lens turn on the verify-token check together")
+    if batch.token_ids is not None:
+        checks.array("batch.token_ids", batch.token_ids, dtype=jnp.int32, ndim=2)
+        checks.array("batch.token_ids_lens", batch.token_ids_lens, dtype=jnp.int32, shape=(num_reqs,))
     for name in ("active", "span_lens"):
         if getattr(batch, name) is not None:
             checks.array(f"batch.{name}", getattr(batch, name), dtype=jnp.int32, shape=(num_reqs,))
@@ -85,35 +79,18 @@ def phase(
     batch: Batch,
     enable_chain_position_assert: jax.Array,
     *,
-    tags: Sequence[int],
     real_kv_sources: Sequence[Sequence[realkv.RealKvSource]] | None = None,
-    real_kv_hash_mode: int = 0,
-    verify_capacity: int,
-    window: int = 0,
-    token_offset: int = 0,
-    full_slots: int | None = None,
-    check_table: bool = False,
-    skip_bad_requests: bool = False,
     input_issues: jax.Array | None = None,
     backend: str = "auto",
+    **spec_fields,
 ) -> tuple[tuple[jax.Array, ...], Log, jax.Array]:
-    """:func:`run` with the :class:`PhaseSpec` given by its fields (``tags`` ... ``skip_bad_requests``)."""
-    spec = PhaseSpec(
-        tags=tags,
-        real_kv_hash_mode=real_kv_hash_mode,
-        verify_capacity=verify_capacity,
-        window=window,
-        token_offset=token_offset,
-        full_slots=full_slots,
-        check_table=check_table,
-        skip_bad_requests=skip_bad_requests,
-    )
+    """:func:`run` with the :class:`PhaseSpec` given by its fields as keywords (``tags=``, ``verify_capacity=``)."""
     return run(
         buffers,
         log,
         batch,
         enable_chain_position_assert,
-        spec,
+        PhaseSpec(**spec_fields),
         real_kv_sources=real_kv_sources,
         input_issues=input_issues,
         backend=backend,
@@ -167,7 +144,7 @@ def run(
         raise ValueError(f"the K and V buffers of a group must have the same num_slots; got {sorted(num_slots)}")
     (num_slots,) = num_slots
     _check_log(log)
-    _check_batch(batch)
+    check_batch(batch)
     checks.array("enable_chain_position_assert", enable_chain_position_assert, dtype=jnp.int32, shape=(1,))
     if not isinstance(spec, PhaseSpec):
         raise TypeError(f"spec must be a pallas_kernels.phase.api.PhaseSpec; got {type(spec).__name__}")

@@ -75,17 +75,22 @@ class PhaseSpec:
                 raise TypeError(f"{name} must be a bool; got {getattr(self, name)!r}")
 
 
-class Batch(NamedTuple):
-    """One forward step as the phase sees it; every array is int32.
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Batch:
+    """One forward step's int32 arrays, the one batch type of both layers (``kvcanary_jax.CanaryBatch`` is it,
+    with the user's docstring).
 
     Attributes:
       req_pool_indices, prefix_lens, extend_lens: i32[R] (by default row 0 of ``req_to_token`` is padding).
       req_to_token: i32[max_reqs, max_context_len] full-pool slot of each (row, position).
       input_ids, positions, out_cache_loc: i32[T] this step's tokens, request-major (full-pool slots).
       full_to_swa_index_mapping: i32[full_slots + 1], or None; given, it translates every slot (SWA group).
-      token_pool: i32[rows, len] expected tokens (verify-token check on), or None.
-      token_pool_lens: i32[R] valid prefix of each request's pool row; with ``token_pool`` only.
-      expected_input_ids, expected_input_positions: i32[T] the write input assert's oracle, or None (off).
+      expected_input_ids: i32[T] the write input assert's oracle, or None (off).
+      expected_positions: i32[T] its positions; None: ``positions``.
+      token_ids: i32[rows, len] expected token of each (``req_to_token`` row, position): the verify-token check
+        is on when given.
+      token_ids_lens: i32[R] valid prefix of each request's ``token_ids`` row; with ``token_ids`` only.
       active: i32[R] nonzero for the rows that are requests (verified, seeding a chain); None: SGLang's
         ``req_pool_indices != 0``.
       span_lens: i32[R] (>= 0) token entries each row owns, request-major; a row that is not a request may own
@@ -101,21 +106,25 @@ class Batch(NamedTuple):
     positions: jax.Array
     out_cache_loc: jax.Array
     full_to_swa_index_mapping: jax.Array | None = None
-    token_pool: jax.Array | None = None
-    token_pool_lens: jax.Array | None = None
     expected_input_ids: jax.Array | None = None
-    expected_input_positions: jax.Array | None = None
+    expected_positions: jax.Array | None = None
+    token_ids: jax.Array | None = None
+    token_ids_lens: jax.Array | None = None
     active: jax.Array | None = None
     span_lens: jax.Array | None = None
 
 
 def with_roles(batch: Batch) -> Batch:
-    """``batch`` with ``active`` and ``span_lens`` given (SGLang's when they were None), as i32[R]."""
+    """``batch`` with ``active`` and ``span_lens`` given (SGLang's when they were None), as i32[R], and the input
+    assert's ``expected_positions`` (``positions`` when None)."""
     active = batch.active if batch.active is not None else (batch.req_pool_indices != 0).astype(jnp.int32)
     span = batch.span_lens
     if span is None:
         span = jnp.where(active != 0, jnp.maximum(batch.extend_lens, 0), 0).astype(jnp.int32)
-    return batch._replace(active=active.astype(jnp.int32), span_lens=span)
+    expected = batch.expected_positions
+    if batch.expected_input_ids is not None and expected is None:
+        expected = batch.positions
+    return dataclasses.replace(batch, active=active.astype(jnp.int32), span_lens=span, expected_positions=expected)
 
 
 class Log(NamedTuple):
@@ -151,8 +160,10 @@ def pad_tokens(batch: Batch) -> Batch:
     one = lambda fill: jnp.full((1,), fill, jnp.int32)  # noqa: E731
     padded = dict(input_ids=one(0), positions=one(0), out_cache_loc=one(-1))
     if batch.expected_input_ids is not None:
-        padded.update(expected_input_ids=one(0), expected_input_positions=one(0))
-    return batch._replace(**padded)
+        padded.update(expected_input_ids=one(0))
+    if batch.expected_positions is not None:
+        padded.update(expected_positions=one(0))
+    return dataclasses.replace(batch, **padded)
 
 
 def jnp_index(i: jax.Array, n: int) -> jax.Array:

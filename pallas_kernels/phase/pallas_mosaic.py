@@ -10,32 +10,21 @@ every row in one ring update and bumps the counters. The bytes are the reference
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
-import jax
 import jax.numpy as jnp
 
-from pallas_kernels import realkv, ring
-from pallas_kernels.phase import common, reference
+from pallas_kernels import ring
+from pallas_kernels.phase import reference
 from pallas_kernels.verify import pallas_mosaic as verify_kernels
 from pallas_kernels.write import pallas_mosaic as write_kernels
 
 
 def phase(
-    buffers: Sequence[jax.Array],
-    log: common.Log,
-    batch: common.Batch,
-    enable_chain_position_assert: jax.Array,
-    real_kv_sources: Sequence[Sequence[realkv.RealKvSource]],
-    input_issues: jax.Array | None = None,
-    *,
-    spec: common.PhaseSpec,
-    interpret: bool = False,
-) -> tuple[tuple[jax.Array, ...], common.Log, jax.Array]:
-    """Same contract as ``reference.phase``, with the Mosaic verify and write kernels (``interpret``: in TPU
-    interpret mode, on any platform)."""
+    buffers, log, batch, enable_chain_position_assert, real_kv_sources, input_issues=None, *, spec, interpret=False
+):
+    """``reference.phase`` (the contract) with the Mosaic verify and write kernels; ``interpret`` runs them in TPU
+    interpret mode (any platform)."""
     p = reference.prepare(buffers, log, batch, input_issues, spec)
-    plan, check, capacity = p.plan, p.batch.token_pool is not None, log.ring.shape[0]
+    plan, check, capacity = p.plan, p.batch.token_ids is not None, log.ring.shape[0]
     loaded = reference.load_halves(buffers, plan)  # every record the rows read, before any store
     num_reqs = jnp.full((1,), p.batch.req_pool_indices.shape[0], jnp.int32)
     pending, new_buffers = list(p.pending), []

@@ -28,7 +28,6 @@ No XLA loop, prefix sum or scatter is left in the step (only ``store.last_writer
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -36,7 +35,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from pallas_kernels import compat, hash64, kernel_io, layout, realkv, records
+from pallas_kernels import compat, hash64, kernel_io, layout, records
 from pallas_kernels.phase import common
 from pallas_kernels.phase import triton_common as tc
 from pallas_kernels.write import reference as write_reference
@@ -423,28 +422,11 @@ def _store_kernel(*refs, st: tc.Static):
 
 @functools.partial(jax.jit, static_argnames=("spec", "interpret", "config"))
 def phase(
-    buffers: Sequence[jax.Array],
-    log: common.Log,
-    batch: common.Batch,
-    enable_chain_position_assert: jax.Array,
-    real_kv_sources: Sequence[Sequence[realkv.RealKvSource]],
-    input_issues: jax.Array | None = None,
-    *,
-    spec: common.PhaseSpec,
-    interpret: bool = False,
-    config: Config | None = None,
-) -> tuple[tuple[jax.Array, ...], common.Log, jax.Array]:
-    """Same contract as ``reference.phase``, in three Pallas launches (see the module docstring).
-
-    Args:
-      buffers, log, batch, enable_chain_position_assert, real_kv_sources, input_issues, spec: as in
-      ``reference.phase``.
-      interpret: run the kernels in Pallas interpret mode (any platform).
-      config: launch shapes; ``heuristic(spec.verify_capacity, T)`` when None.
-
-    Returns:
-      ``(buffers, log, enable)``, byte-identical to ``reference.phase``.
-    """
+    buffers, log, batch, enable_chain_position_assert, real_kv_sources, input_issues=None, *, spec, interpret=False,
+    config=None,
+):  # fmt: skip
+    """``reference.phase`` (the contract) in three Pallas launches (see the module docstring); ``interpret`` runs
+    them in Pallas interpret mode (any platform), ``config`` is their launch shapes (``heuristic`` when None)."""
     batch = common.with_roles(common.pad_tokens(batch))
     num_reqs, num_tokens = batch.req_pool_indices.shape[0], batch.input_ids.shape[0]
     group_slots = buffers[0].shape[0]
@@ -461,7 +443,7 @@ def phase(
         window=spec.window,
         token_offset=spec.token_offset,
         has_lut=batch.full_to_swa_index_mapping is not None,
-        has_pool=batch.token_pool is not None,
+        has_pool=batch.token_ids is not None,
         has_inputs=batch.expected_input_ids is not None,
         config=config,
         full_slots=spec.full_slots or group_slots,

@@ -69,10 +69,10 @@ def build_plan(
         raw, raw_prev, pos, gather_lut, lut_size, full_slots=full_slots, group_slots=group_slots
     )
     expected_token = jnp.full_like(t, -1)
-    if batch.token_pool is not None:
-        pool = batch.token_pool
+    if batch.token_ids is not None:
+        pool = batch.token_ids
         token_pos = pos + token_offset
-        known = (token_pos >= 0) & (token_pos < batch.token_pool_lens[req])
+        known = (token_pos >= 0) & (token_pos < batch.token_ids_lens[req])
         expected_token = jnp.where(known, pool[row, jnp.clip(token_pos, 0, pool.shape[1] - 1)], -1)
     used = (t < num_valid) & ~overflow
     problem, value = common.slot_issue(raw, gather_lut, lut_size, full_slots=full_slots, group_slots=group_slots)
@@ -197,7 +197,7 @@ def write_input_bits(batch: common.Batch, written: jax.Array) -> jax.Array:
     if batch.expected_input_ids is None:
         return jnp.zeros(written.shape, batch.input_ids.dtype)
     bits = jnp.where(written & (batch.input_ids != batch.expected_input_ids), layout.FAIL_WRITE_TOKEN, 0)
-    bad_position = written & (batch.positions != batch.expected_input_positions)
+    bad_position = written & (batch.positions != batch.expected_positions)
     return bits | jnp.where(bad_position, layout.FAIL_WRITE_POSITION, 0)
 
 
@@ -237,7 +237,7 @@ def _write_rows(batch: common.Batch, plan: Plan, loc, chain, input_bits, entries
     expected_token, input_aux = token, hash64.from_i32(position)
     if batch.expected_input_ids is not None:
         expected_token = jnp.where(is_chain_row, token, batch.expected_input_ids[i])
-        input_aux = hash64.from_i32(batch.expected_input_positions[i])
+        input_aux = hash64.from_i32(batch.expected_positions[i])
     aux = hash64.where(is_chain_row, hash64.split(chain.expected_position[i]), input_aux)
     bits = jnp.where(is_chain_row, layout.FAIL_WRITE_POSITION, input_bits[i])
     prev_hash = hash64.split(chain.prev_hash[i])
@@ -342,7 +342,7 @@ def phase(
     Args:
       buffers: per half (K, then V), u32[num_slots, 4, 2] canary buffers (one or two).
       log: the ring, write index and counters (:class:`common.Log`).
-      batch: the step's arrays (:class:`common.Batch`); the token check is on when ``batch.token_pool`` is given,
+      batch: the step's arrays (:class:`common.Batch`); the token check is on when ``batch.token_ids`` is given,
         the write input assert when ``batch.expected_input_ids`` is.
       enable_chain_position_assert: i32[1].
       real_kv_sources: per half, the sources folded into REAL_KV_HASH (empty on HEAD phases).
@@ -367,12 +367,12 @@ def phase(
         plan.expected_positions,
         plan.prev_slot_indices,
         plan.active,
-        check_expected_token=batch.token_pool is not None,
+        check_expected_token=batch.token_ids is not None,
     )
     chains = walk_halves(loaded, plan, batch, loc, enable_chain_position_assert)
     pending, new_buffers = list(p.pending), []
     for h, (buf, tag) in enumerate(zip(buffers, spec.tags, strict=True)):
-        verify = verify_rows(p, half(loaded, h), bits[h], tag, batch.token_pool is not None, capacity)
+        verify = verify_rows(p, half(loaded, h), bits[h], tag, batch.token_ids is not None, capacity)
         chain = half(chains, h)
         pending += [verify, write_rows(p, chain, tag, capacity)]
         target = loc + ring.after(verify[1])  # the store waits for the verify rows read from this buffer

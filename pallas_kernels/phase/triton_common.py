@@ -112,9 +112,9 @@ def input_arrays(batch: common.Batch, cpa, buffers, sources, *, interpret: bool)
         cpa,
     ]
     arrays += [batch.full_to_swa_index_mapping] if batch.full_to_swa_index_mapping is not None else []
-    arrays += [batch.token_pool, batch.token_pool_lens] if batch.token_pool is not None else []
+    arrays += [batch.token_ids, batch.token_ids_lens] if batch.token_ids is not None else []
     if batch.expected_input_ids is not None:
-        arrays += [batch.expected_input_ids, batch.expected_input_positions]
+        arrays += [batch.expected_input_ids, batch.expected_positions]
     arrays += [kernel_io.record_rows(b) for b in buffers]
     arrays += [kernel_io.kv_rows(s.data, interpret=interpret) for half in sources for s in half]
     return arrays

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -12,7 +11,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels import compat, kernel_io, layout, mosaic_io, realkv, records
-from pallas_kernels.verify import reference
+from pallas_kernels.verify import base, reference
 
 LANES = mosaic_io.LANES
 
@@ -142,43 +141,12 @@ def _verify_call(canary_buf, plan, num_active, views, specs, *, mode, check, row
     return bits.reshape(-1)[:n]
 
 
-@functools.partial(jax.jit, static_argnames=("real_kv_hash_mode", "check_expected_token", "interpret", "config"))
-def verify_bits(
-    canary_buf: jax.Array,
-    slot_indices: jax.Array,
-    expected_tokens: jax.Array,
-    expected_positions: jax.Array,
-    prev_slot_indices: jax.Array,
-    num_active: jax.Array,
-    *,
-    real_kv_sources: Sequence[realkv.RealKvSource],
-    real_kv_hash_mode: int,
-    check_expected_token: bool,
-    interpret: bool = False,
-    config: Config | None = None,
-) -> jax.Array:
-    """Same contract as ``reference.verify_bits``, computed by the Mosaic kernel.
-
-    Args:
-      canary_buf: u32[num_slots, 4, 2].
-      slot_indices, expected_tokens, expected_positions, prev_slot_indices: i32[capacity].
-      num_active: i32[] entries to check (0 when the plan is disabled).
-      real_kv_sources, real_kv_hash_mode, check_expected_token: as in the reference.
-      interpret: run the kernel in TPU interpret mode (any platform).
-      config: launch shape; ``heuristic(capacity)`` when None.
-
-    Returns:
-      i32[capacity] OR of ``FAIL_VERIFY_*`` bits, 0 past ``num_active`` and for padding slot 0.
-    """
-    capacity = slot_indices.shape[0]
-    if capacity == 0:
-        return jnp.zeros((0,), jnp.int32)
-    config = config or heuristic(capacity)
-    sources = tuple(real_kv_sources) if real_kv_hash_mode != layout.REAL_KV_NONE else ()
+def _forward(canary_buf, plan, num_active, sources, *, mode, check, interpret, config):
+    """The plan in calls of at most ``config.max_entries_per_call`` entries."""
+    capacity = plan[0].shape[0]
     views = [mosaic_io.kv_view(s.data) for s in sources]
     specs = kernel_io.source_specs(sources)
     active = jnp.clip(jnp.reshape(num_active, ()).astype(jnp.int32), 0, capacity)
-    plan = (slot_indices, expected_tokens, expected_positions, prev_slot_indices)
     parts = []
     for lo in range(0, capacity, config.max_entries_per_call):  # static split: SMEM holds one part's slot ids
         hi = min(capacity, lo + config.max_entries_per_call)
@@ -189,10 +157,13 @@ def verify_bits(
                 jnp.clip(active - lo, 0, hi - lo),
                 views,
                 specs,
-                mode=real_kv_hash_mode,
-                check=check_expected_token,
+                mode=mode,
+                check=check,
                 rows=config.rows,
                 interpret=interpret,
             )
         )
     return jnp.concatenate(parts) if len(parts) > 1 else parts[0]
+
+
+verify_bits = base.entry_point(_forward, heuristic)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -12,7 +11,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from pallas_kernels import compat, kernel_io, layout, realkv, records
-from pallas_kernels.verify import reference
+from pallas_kernels.verify import base, reference
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,47 +79,17 @@ def _verify_kernel(
         plt.store(out_ref.at[entry], jnp.zeros((block,), jnp.int32), mask=in_range)
 
 
-@functools.partial(jax.jit, static_argnames=("real_kv_hash_mode", "check_expected_token", "interpret", "config"))
-def verify_bits(
-    canary_buf: jax.Array,
-    slot_indices: jax.Array,
-    expected_tokens: jax.Array,
-    expected_positions: jax.Array,
-    prev_slot_indices: jax.Array,
-    num_active: jax.Array,
-    *,
-    real_kv_sources: Sequence[realkv.RealKvSource],
-    real_kv_hash_mode: int,
-    check_expected_token: bool,
-    interpret: bool = False,
-    config: Config | None = None,
-) -> jax.Array:
-    """Same contract as ``reference.verify_bits``, computed by one fused Pallas kernel.
-
-    Args:
-      canary_buf: u32[num_slots, 4, 2].
-      slot_indices, expected_tokens, expected_positions, prev_slot_indices: i32[capacity].
-      num_active: i32[] entries to check (0 when the plan is disabled).
-      real_kv_sources, real_kv_hash_mode, check_expected_token: as in the reference.
-      interpret: run the kernel in Pallas interpret mode (any platform).
-      config: launch shape; ``heuristic(capacity)`` when None.
-
-    Returns:
-      i32[capacity] OR of ``FAIL_VERIFY_*`` bits, 0 past ``num_active`` and for padding slot 0.
-    """
-    capacity = slot_indices.shape[0]
-    if capacity == 0:  # no grid to launch; the kernel would index empty refs
-        return jnp.zeros((0,), jnp.int32)
-    config = config or heuristic(capacity)
-    sources = tuple(real_kv_sources) if real_kv_hash_mode != layout.REAL_KV_NONE else ()
+def _forward(canary_buf, plan, num_active, sources, *, mode, check, interpret, config):
+    """One fused launch over the plan."""
+    slot_indices, expected_tokens, expected_positions, prev_slot_indices = plan
+    capacity, block = slot_indices.shape[0], config.block
     kernel = functools.partial(
         _verify_kernel,
-        block=config.block,
+        block=block,
         specs=kernel_io.source_specs(sources),
-        mode=real_kv_hash_mode,
-        check_expected_token=check_expected_token,
+        mode=mode,
+        check_expected_token=check,
     )
-    block = config.block
     return compat.triton_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((capacity,), jnp.int32),
@@ -138,3 +107,6 @@ def verify_bits(
         kernel_io.record_rows(canary_buf),
         *(kernel_io.kv_rows(s.data, interpret=interpret) for s in sources),
     )
+
+
+verify_bits = base.entry_point(_forward, heuristic)

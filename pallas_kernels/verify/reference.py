@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import jax
 import jax.numpy as jnp
 
@@ -32,27 +30,11 @@ def entry_bits(
 
 
 def verify_bits(
-    canary_buf: jax.Array,
-    slot_indices: jax.Array,
-    expected_tokens: jax.Array,
-    expected_positions: jax.Array,
-    prev_slot_indices: jax.Array,
-    num_active: jax.Array,
-    *,
-    real_kv_sources: Sequence[realkv.RealKvSource],
-    real_kv_hash_mode: int,
-    check_expected_token: bool,
-) -> jax.Array:
-    """Fail bits of each plan entry; 0 for entries past ``num_active`` and for padding slot 0.
-
-    Args:
-      canary_buf: u32[num_slots, 4, 2].
-      slot_indices, expected_tokens, expected_positions, prev_slot_indices: i32[capacity].
-      num_active: i32[] entries to check (already clamped, 0 when the plan is disabled).
-
-    Returns:
-      i32[capacity] OR of ``FAIL_VERIFY_*`` bits.
-    """
+    canary_buf, slot_indices, expected_tokens, expected_positions, prev_slot_indices, num_active, *,
+    real_kv_sources, real_kv_hash_mode, check_expected_token,
+) -> jax.Array:  # fmt: skip
+    """``api.verify``'s bits (the contract is there), from checked arguments, ``num_active`` already clamped (0 when
+    the plan is disabled): i32[capacity] OR of ``FAIL_VERIFY_*`` bits, 0 past it and for padding slot 0."""
     stored = records.load(canary_buf, slot_indices)
     expected_chain = records.slot_hash(canary_buf, prev_slot_indices)
     slots = records.clamp_slots(slot_indices, canary_buf.shape[0])

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -24,14 +23,13 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels import compat, hash64, kernel_io, layout, mosaic_io, realkv
-from pallas_kernels.write import reference, store
+from pallas_kernels import compat, hash64, kernel_io, mosaic_io, realkv
+from pallas_kernels.write import base, reference, store
 
 LANES = mosaic_io.LANES
 _WINDOW_BITS = 7  # the chain's SMEM windows hold 128 entries
 _WINDOW = 1 << _WINDOW_BITS
-_WRITTEN = 1  # bits of the chain kernel's per-entry flags
-_POSITION_FAILED = 2
+_WRITTEN, _POSITION_FAILED = base.WRITTEN, base.POSITION_FAILED  # the chain kernel's per-entry flag bits
 
 
 @dataclasses.dataclass(frozen=True)
@@ -233,50 +231,13 @@ def _store(canary_buf, entries, views, specs, *, mode, rows, interpret):
     )(loc, flag, dense(token), dense(position), dense(prev_lo), dense(prev_hi), *views, canary_buf)
 
 
-@functools.partial(jax.jit, static_argnames=("real_kv_hash_mode", "interpret", "config"))
-def write(
-    canary_buf: jax.Array,
-    write_offsets: jax.Array,
-    seed_slot_indices: jax.Array,
-    num_valid_reqs: jax.Array,
-    input_ids: jax.Array,
-    positions: jax.Array,
-    out_cache_loc: jax.Array,
-    enable_chain_position_assert: jax.Array,
-    *,
-    real_kv_sources: Sequence[realkv.RealKvSource],
-    real_kv_hash_mode: int,
-    interpret: bool = False,
-    config: Config | None = None,
-) -> tuple[jax.Array, reference.ChainOut]:
-    """Same contract as the xla path (``reference.write_chain`` + real-KV fold + ``store.store``).
-
-    Args:
-      canary_buf: u32[num_slots, 4, 2], updated in place when the caller donates it.
-      write_offsets: i32[R + 1]; seed_slot_indices: i32[R]; num_valid_reqs: i32[1].
-      input_ids, positions, out_cache_loc: i32[T].
-      enable_chain_position_assert: i32[1].
-      real_kv_sources, real_kv_hash_mode: the fold of each written slot's KV bytes.
-      interpret: run the kernels in TPU interpret mode (any platform).
-      config: store-kernel launch shape; ``heuristic(T)`` when None.
-
-    Returns:
-      ``(new canary_buf, ChainOut)``, byte-identical to the xla path.
-    """
-    num_tokens, num_reqs, num_slots = out_cache_loc.shape[0], seed_slot_indices.shape[0], canary_buf.shape[0]
-    if num_tokens == 0 or num_reqs == 0:
-        return canary_buf, reference.empty_chain(num_tokens)
-    config = config or heuristic(num_tokens)
-    start, count = reference.request_spans(write_offsets, num_valid_reqs, num_tokens)
-    seed_hash, seed_position, check = reference.chain_seeds(
-        canary_buf, seed_slot_indices, count, enable_chain_position_assert
-    )
-    prev_hash, expected, flags = _walk(
-        start, count, seed_hash, seed_position, check, input_ids, positions, out_cache_loc, interpret=interpret
-    )
+def _forward(canary_buf, walk, sources, *, mode, interpret, config):
+    """The chain kernel, then the store in calls of at most ``config.max_entries_per_call`` entries."""
+    out_cache_loc, input_ids, positions = walk[-1], walk[-3], walk[-2]
+    num_tokens = out_cache_loc.shape[0]
+    prev_hash, expected, flags = _walk(*walk, interpret=interpret)
     written = (flags & _WRITTEN) != 0
-    flag = store.last_writer(out_cache_loc, written, num_slots).astype(jnp.int32)
-    sources = tuple(real_kv_sources) if real_kv_hash_mode != layout.REAL_KV_NONE else ()
+    flag = store.last_writer(out_cache_loc, written, canary_buf.shape[0]).astype(jnp.int32)
     views = [mosaic_io.kv_view(s.data) for s in sources]
     entries = (out_cache_loc, flag, input_ids, positions, prev_hash[:, 0], prev_hash[:, 1])
     buf = canary_buf
@@ -288,14 +249,11 @@ def write(
             part,
             views,
             kernel_io.source_specs(sources),
-            mode=real_kv_hash_mode,
+            mode=mode,
             rows=config.rows,
             interpret=interpret,
         )
-    chain = reference.ChainOut(
-        prev_hash=prev_hash,
-        expected_position=expected,
-        position_assert_failed=(flags & _POSITION_FAILED) != 0,
-        written=written,
-    )
-    return buf, chain
+    return buf, prev_hash, expected, flags
+
+
+write = base.entry_point(_forward, heuristic)

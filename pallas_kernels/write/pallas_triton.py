@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -24,11 +23,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from pallas_kernels import compat, hash64, kernel_io, layout, realkv, records
-from pallas_kernels.write import reference, store
+from pallas_kernels import compat, hash64, kernel_io, realkv, records
+from pallas_kernels.write import base, reference, store
 
-_WRITTEN = 1  # bits of the chain kernel's per-entry flags
-_POSITION_FAILED = 2
+_WRITTEN, _POSITION_FAILED = base.WRITTEN, base.POSITION_FAILED  # the chain kernel's per-entry flag bits
 _CHAIN_WARPS = 1  # the chain walk is scalar code: more warps would only repeat it
 # H200: pairwise beats the sort by ~2 us at 256 tokens and loses by ~37 us at 4096 and ~270 us at 16K tokens
 # (benchmarks/RESULTS.md); the scan grows linearly per program, so the crossover is near 400 tokens.
@@ -154,50 +152,11 @@ def _store_kernel(
     kernel_io.store_record(buf_ref, jnp.where(ok, slot, num_slots), ok, record)
 
 
-@functools.partial(jax.jit, static_argnames=("real_kv_hash_mode", "interpret", "config"))
-def write(
-    canary_buf: jax.Array,
-    write_offsets: jax.Array,
-    seed_slot_indices: jax.Array,
-    num_valid_reqs: jax.Array,
-    input_ids: jax.Array,
-    positions: jax.Array,
-    out_cache_loc: jax.Array,
-    enable_chain_position_assert: jax.Array,
-    *,
-    real_kv_sources: Sequence[realkv.RealKvSource],
-    real_kv_hash_mode: int,
-    interpret: bool = False,
-    config: Config | None = None,
-) -> tuple[jax.Array, reference.ChainOut]:
-    """Same contract as the xla path (``reference.write_chain`` + real-KV fold + ``store.store``).
-
-    Args:
-      canary_buf: u32[num_slots, 4, 2], updated in place when the caller donates it.
-      write_offsets: i32[R + 1]; seed_slot_indices: i32[R]; num_valid_reqs: i32[1].
-      input_ids, positions, out_cache_loc: i32[T].
-      enable_chain_position_assert: i32[1].
-      real_kv_sources, real_kv_hash_mode: the fold of each written slot's KV bytes.
-      interpret: run the kernels in Pallas interpret mode (any platform).
-      config: store-kernel launch shape; ``heuristic(T)`` when None.
-
-    Returns:
-      ``(new canary_buf, ChainOut)``, byte-identical to the xla path.
-    """
-    num_tokens, num_reqs = out_cache_loc.shape[0], seed_slot_indices.shape[0]
-    empty = reference.ChainOut(
-        prev_hash=jnp.zeros((num_tokens, 2), jnp.uint32),
-        expected_position=jnp.zeros((num_tokens, 2), jnp.uint32),
-        position_assert_failed=jnp.zeros((num_tokens,), bool),
-        written=jnp.zeros((num_tokens,), bool),
-    )
-    if num_tokens == 0 or num_reqs == 0:
-        return canary_buf, empty
-    config = config or heuristic(num_tokens)
-    start, count = reference.request_spans(write_offsets, num_valid_reqs, num_tokens)
-    seed_hash, seed_position, check = reference.chain_seeds(
-        canary_buf, seed_slot_indices, count, enable_chain_position_assert
-    )
+def _forward(canary_buf, walk, sources, *, mode, interpret, config):
+    """The chain kernel (one program per request), then the store kernel."""
+    start, count, seed_hash, seed_position, check, input_ids, positions, out_cache_loc = walk
+    num_tokens, num_reqs = out_cache_loc.shape[0], start.shape[0]
+    empty = reference.empty_chain(num_tokens)
     prev_hash, expected, flags = compat.triton_call(
         _chain_kernel,
         out_shape=(
@@ -230,7 +189,6 @@ def write(
     winner = ()
     if config.dedupe == "sort":
         winner = (store.last_writer(out_cache_loc, written, canary_buf.shape[0]).astype(jnp.int32),)
-    sources = tuple(real_kv_sources) if real_kv_hash_mode != layout.REAL_KV_NONE else ()
     block = config.block
     kernel = functools.partial(
         _store_kernel,
@@ -238,7 +196,7 @@ def write(
         compare_block=config.compare_block,
         dedupe=config.dedupe,
         specs=kernel_io.source_specs(sources),
-        mode=real_kv_hash_mode,
+        mode=mode,
     )
     inputs = (
         input_ids,
@@ -260,10 +218,7 @@ def write(
         interpret=interpret,
         input_output_aliases={len(inputs): 0},  # the canary buffer, updated in place
     )(*inputs, rows)
-    chain = reference.ChainOut(
-        prev_hash=prev_hash,
-        expected_position=expected,
-        position_assert_failed=(flags & _POSITION_FAILED) != 0,
-        written=written,
-    )
-    return new_rows.reshape(canary_buf.shape), chain
+    return new_rows.reshape(canary_buf.shape), prev_hash, expected, flags
+
+
+write = base.entry_point(_forward, heuristic)

@@ -26,7 +26,7 @@ def _device(log, cpa, batch):
         kernel_run_counters=log.kernel_run_counters,
         slot_run_counters=log.slot_run_counters,
         enable_chain_position_assert=cpa,
-        req_to_verify_expected_tokens=batch.token_pool,
+        req_to_verify_expected_tokens=batch.token_ids,
     )
 
 
@@ -42,8 +42,8 @@ def _per_launch(buffers, log, batch, cpa, sources, *, tags, shape, backend):
         write_req_capacity=b.req_pool_indices.shape[0],
         swa_window_size=shape.window,
         full_to_swa_index_mapping=b.full_to_swa_index_mapping,
-        req_to_verify_expected_tokens=b.token_pool,
-        expected_tokens_valid_lens=b.token_pool_lens,
+        req_to_verify_expected_tokens=b.token_ids,
+        expected_tokens_valid_lens=b.token_ids_lens,
         kv_token_id_vs_position_offset=shape.token_offset,
     )
     loc = translate(b.out_cache_loc, b.full_to_swa_index_mapping)
@@ -59,7 +59,7 @@ def _per_launch(buffers, log, batch, cpa, sources, *, tags, shape, backend):
             b.positions,
             loc,
             expected_input_tokens=b.expected_input_ids,
-            expected_input_positions=b.expected_input_positions,
+            expected_input_positions=b.expected_positions,
             **common,
         )
         out.append(buf)

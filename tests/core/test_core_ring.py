@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import kvcanary_jax as kc
-from kvcanary_jax.core import _ops, _ring
+from kvcanary_jax.core import _ring
 from tests.core.canary_testlib import (
     INT32_MAX,
     RING,
@@ -233,36 +233,6 @@ def _launch_rows(n: int, size: int) -> tuple[np.ndarray, np.ndarray]:
     return rows, context
 
 
-@hypothesis.settings(max_examples=40, deadline=None)
-@hypothesis.given(
-    capacity=st.integers(1, 12),
-    index=st.one_of(st.integers(0, 16), st.just(INT32_MAX - 3)),
-    launches=st.lists(st.lists(st.booleans(), min_size=0, max_size=30), min_size=1, max_size=3),
-)
-def test_batched_appends_match_the_spec_scatter_form(capacity, index, launches):
-    """Several launches appended at once (``first_rows`` + ``place``) equal SPEC's scatter, launch after launch."""
-    old = np.full((capacity, 8, 2), 7, np.uint32)
-    old_context = np.full((capacity, 3), -7, np.int32)
-    log = kc.ViolationLog(
-        violation_ring=jnp.asarray(old),
-        violation_write_index=jnp.asarray([index], jnp.int32),
-        violation_context=jnp.asarray(old_context),
-    )
-    want_ring, want_context, want_index, sources = old, old_context, index, []
-    for n, flags in enumerate(launches):
-        flags = np.asarray(flags, bool)
-        rows, context = _launch_rows(n, flags.size)
-        want_context, _ = _spec_append(want_context, want_index, flags, context)
-        want_ring, want_index = _spec_append(want_ring, want_index, flags, rows)
-        sources.append(
-            (jnp.asarray(flags), lambda entry, r=rows, c=context: (jnp.asarray(r)[entry], jnp.asarray(c)[entry]))
-        )
-    new = _ring.place(log, _ops.pending_rows(sources, capacity))
-    np.testing.assert_array_equal(np.asarray(new.violation_ring), want_ring)
-    np.testing.assert_array_equal(np.asarray(new.violation_context), want_context)
-    assert int(new.violation_write_index[0]) == want_index
-
-
 @hypothesis.settings(max_examples=60, deadline=None)
 @hypothesis.given(
     capacity=st.integers(1, 12),
@@ -272,7 +242,7 @@ def test_batched_appends_match_the_spec_scatter_form(capacity, index, launches):
 @hypothesis.example(capacity=8, index=0, launches=[[True, False, False]])  # unflagged rows after the last flag
 @hypothesis.example(capacity=4, index=2, launches=[[False, True, True, True], [True] * 6])  # both paths, overflow
 def test_single_appends_match_the_spec_scatter_form(capacity, index, launches):
-    """``_ops.append``, one launch at a time: the direct scatter (no more flags than ring rows) and the listing
+    """``_ring.append``, one launch at a time: the direct scatter (no more flags than ring rows) and the listing
     (more) both equal SPEC's scatter."""
     log = kc.ViolationLog(
         violation_ring=jnp.full((capacity, 8, 2), 7, jnp.uint32),
@@ -285,7 +255,7 @@ def test_single_appends_match_the_spec_scatter_form(capacity, index, launches):
         rows, context = _launch_rows(n, flags.size)
         want_context, _ = _spec_append(want_context, want_index, flags, context)
         want_ring, want_index = _spec_append(want_ring, want_index, flags, rows)
-        log = _ops.append(log, jnp.asarray(flags), lambda e, r=rows, c=context: (jnp.asarray(r)[e], jnp.asarray(c)[e]))
+        log = _ring.append(log, jnp.asarray(flags), lambda e, r=rows, c=context: (jnp.asarray(r)[e], jnp.asarray(c)[e]))
     np.testing.assert_array_equal(np.asarray(log.violation_ring), want_ring)
     np.testing.assert_array_equal(np.asarray(log.violation_context), want_context)
     assert int(log.violation_write_index[0]) == want_index

@@ -128,7 +128,14 @@ def make_case(
             positions[0] += 2
     batch = common.Batch(
         *(jnp.asarray(x) for x in (rpi, prefix, extend, req_to_token, ids, positions, loc)),
-        *(None if x is None else jnp.asarray(x) for x in (lut, pool, pool_lens, expected_ids, expected_positions)),
+        **{
+            k: None if x is None else jnp.asarray(x)
+            for k, x in zip(
+                ("full_to_swa_index_mapping", "token_ids", "token_ids_lens", "expected_input_ids", "expected_positions"),
+                (lut, pool, pool_lens, expected_ids, expected_positions),
+                strict=True,
+            )
+        },
     )
     if roles:
         batch = _with_roles(rng, batch, masked=masked)
@@ -168,7 +175,7 @@ def _with_roles(rng, batch: common.Batch, *, masked: bool) -> common.Batch:
     loc = np.asarray(batch.out_cache_loc).copy()
     for r in np.nonzero(~active)[0] if masked else ():
         loc[starts[r] : starts[r] + span[r]] = -1
-    return batch._replace(
+    return dataclasses.replace(batch, 
         out_cache_loc=jnp.asarray(loc), active=jnp.asarray(active, jnp.int32), span_lens=jnp.asarray(span)
     )
 
@@ -199,8 +206,8 @@ def _prime(rng, s: Shape, buffers, batch: common.Batch, sources, tags, corrupt: 
     for r in np.nonzero(rpi)[0]:
         for p in range(int(prefix[r])):
             token = int(rng.integers(0, 1000))
-            if batch.token_pool is not None and 0 <= p + s.token_offset < s.max_len:
-                token = int(np.asarray(batch.token_pool)[rpi[r], p + s.token_offset])  # what the check expects
+            if batch.token_ids is not None and 0 <= p + s.token_offset < s.max_len:
+                token = int(np.asarray(batch.token_ids)[rpi[r], p + s.token_offset])  # what the check expects
             ids.append(token)
             positions.append(p)
             loc.append(int(rtt[rpi[r], p]))

@@ -181,12 +181,12 @@ def _phase_args(tokens, *, swa: bool):
         i32(tokens),
         i32(tokens),
         i32(NUM_SLOTS + 1) if swa else None,
-        i32(REQS + 1, 40),
-        i32(REQS),
-        i32(tokens),
-        i32(tokens),
-        i32(REQS),
-        i32(REQS),
+        token_ids=i32(REQS + 1, 40),
+        token_ids_lens=i32(REQS),
+        expected_input_ids=i32(tokens),
+        expected_positions=i32(tokens),
+        active=i32(REQS),
+        span_lens=i32(REQS),
     )
     buffers = (S((num_slots, 4, 2), jnp.uint32),) * 2
     return buffers, log, batch, i32(1)

@@ -1,5 +1,6 @@
 """The fused phase kernels (interpret mode) give exactly the reference's buffers, ring, index and counters."""
 
+import dataclasses
 import functools
 
 import chex
@@ -192,7 +193,7 @@ def test_skip_bad_requests_writes_nothing_for_rejected_requests(name):
         batch = args[2]
         loc, rejected = _skipped_by_hand(batch, full_slots=full_slots, group_slots=args[0][0].shape[0])
         rejections += rejected
-        by_hand = (*args[:2], batch._replace(out_cache_loc=jnp.asarray(loc)), *args[3:])
+        by_hand = (*args[:2], dataclasses.replace(batch, out_cache_loc=jnp.asarray(loc)), *args[3:])
         want = _phase(*by_hand, tags=tags, shape=shape, backend="xla", full_slots=full_slots)
         chex.assert_trees_all_equal(got, want)
     assert rejections > 0, "the cases must hold requests with a slot the group cannot store"
@@ -328,7 +329,7 @@ def test_api_checks_teach():
         api.phase(
             buffers,
             log,
-            batch._replace(input_ids=batch.input_ids.astype(jnp.uint32)),
+            dataclasses.replace(batch, input_ids=batch.input_ids.astype(jnp.uint32)),
             cpa,
             tags=tags,
             verify_capacity=8,
@@ -363,8 +364,8 @@ def test_reference_plan_is_build_plans():
             write_req_capacity=b.req_pool_indices.shape[0],
             swa_window_size=shape.window,
             full_to_swa_index_mapping=b.full_to_swa_index_mapping,
-            req_to_verify_expected_tokens=b.token_pool,
-            expected_tokens_valid_lens=b.token_pool_lens,
+            req_to_verify_expected_tokens=b.token_ids,
+            expected_tokens_valid_lens=b.token_ids_lens,
             kv_token_id_vs_position_offset=1,
         )
         chex.assert_trees_all_equal(
