@@ -30,7 +30,7 @@ def kv_rows(data: jax.Array, *, interpret: bool) -> jax.Array:
 
     ``realkv.as_words`` cannot feed a kernel: XLA expands a bitcast between element types of different widths
     into a shift-and-or fusion, i.e. a copy of the whole KV pool per launch. The kernels assemble the u32 words
-    from native-dtype loads instead (:func:`chunk_loader`). In interpret mode the kernel body runs on XLA:CPU,
+    from native-dtype loads instead (:func:`_chunk_words`). In interpret mode the kernel body runs on XLA:CPU,
     which computes bf16 element ops in f32 and so quiets signalling-NaN payloads; there the source is passed as
     same-width unsigned ints (a copy, but only of a small test pool).
     """
@@ -56,37 +56,83 @@ def store_record(buf_ref, slots: jax.Array, mask: jax.Array, record: records.Rec
             plt.store(buf_ref.at[slots, jnp.full(slots.shape, 2 * f + w, jnp.int32)], value, mask=mask)
 
 
-def _word(ref, row: jax.Array, first_word: jax.Array, k: int) -> jax.Array:
-    """Little-endian u32 word ``first_word + k`` of page row ``row``; ``first_word`` is 16-byte aligned.
+def _chunk_words(ref, row: jax.Array, first_word: jax.Array) -> tuple[jax.Array, ...]:
+    """The 4 little-endian u32 words of the 16-byte chunk starting at word ``first_word`` (16-byte aligned) of page
+    row ``row``, exactly as ``realkv.as_words`` views them.
 
-    Bytes are read in the ref's own dtype and reassembled exactly as ``realkv.as_words`` views them. Triton
-    only bitcasts between equal widths, so narrow elements are widened and shifted into place.
+    One ``[n, 16 / itemsize]`` tile load per chunk: each lane's chunk is contiguous and 16-byte aligned, so Triton
+    reads it with one vector load per lane instead of a scalar gather per element (16 bytes of a lane's own cache
+    line per instruction, not 2: the real-KV ALL fold was bound by those per-element wavefronts). The elements are
+    read in the ref's own dtype and put together in registers: Triton only bitcasts between equal widths, so narrow
+    elements are widened, shifted into place and summed per word (their bytes do not overlap); Triton cannot index a
+    register tile at a column, so a column is a select and an in-lane sum (compiled away: each lane owns its row).
     """
     itemsize = jnp.dtype(ref.dtype).itemsize
-    as_uint = lambda x: lax.bitcast_convert_type(x, _UINT[itemsize])  # noqa: E731
-    if itemsize == 8:  # two words per element; first_word is even, so k alone picks the half
-        element = as_uint(ref[row, first_word // 2 + k // 2])
-        return (element >> jnp.uint64(32) if k % 2 else element).astype(jnp.uint32)
+    lane = jnp.arange(layout.REAL_KV_CHUNK_BYTES // itemsize, dtype=jnp.int32)
+    start = first_word // 2 if itemsize == 8 else first_word * (4 // itemsize)
+    tile = ref[row[..., None] + jnp.zeros_like(lane), start[..., None] + lane]
+    tile = lax.bitcast_convert_type(tile, _UINT[itemsize])
+    if itemsize == 8:  # two words per element, low word first
+        words = []
+        for e in range(2):
+            element = jnp.sum(jnp.where(lane == e, tile, jnp.uint64(0)), axis=-1, dtype=jnp.uint64)
+            words += [element.astype(jnp.uint32), (element >> jnp.uint64(32)).astype(jnp.uint32)]
+        return tuple(words)
     per_word = 4 // itemsize
-    parts = [as_uint(ref[row, (first_word + k) * per_word + j]).astype(jnp.uint32) for j in range(per_word)]
-    word = parts[0]
-    for j, part in enumerate(parts[1:], start=1):
-        word = word | (part << jnp.uint32(8 * itemsize * j))
-    return word
-
-
-def chunk_loader(kv_refs):
-    """The ``load_chunk`` callback of :func:`realkv.fold_slots` for kernel refs of :func:`kv_rows` views."""
-
-    def load_chunk(i: int, row: jax.Array, first: jax.Array) -> tuple[jax.Array, ...]:
-        return tuple(_word(kv_refs[i], row, first, k) for k in range(_WORDS_PER_CHUNK))
-
-    return load_chunk
+    shifted = tile.astype(jnp.uint32) << ((lane % per_word) * (8 * itemsize)).astype(jnp.uint32)
+    return tuple(
+        jnp.sum(jnp.where(lane // per_word == k, shifted, jnp.uint32(0)), axis=-1, dtype=jnp.uint32)
+        for k in range(_WORDS_PER_CHUNK)
+    )
 
 
 def fold(kv_refs, specs, slots: jax.Array, mode: int) -> hash64.U64:
     """REAL_KV_HASH of in-range ``slots`` read straight from the KV refs, via the shared fold arithmetic."""
-    return realkv.fold_slots(specs, slots, mode, load_chunk=chunk_loader(kv_refs))
+    return fold_halves((kv_refs,), (specs,), (slots,), mode)[0]
+
+
+def fold_halves(kv_refs, specs, slots, mode: int) -> tuple[hash64.U64, ...]:
+    """:func:`fold` of every half ``h`` (``kv_refs[h]``, ``specs[h]``, ``slots[h]``), the halves in one chunk loop.
+
+    A slot's fold is a serial chain of splitmix rounds (``realkv.fold_loaded``'s arithmetic, in its order), so a lane
+    mostly waits on each round's latency and on its chunk's load. K's and V's chains are independent: one loop that
+    advances every half's chain, and loads each chunk one step ahead of its rounds, keeps twice the work in flight.
+    Halves whose sources fold different chunk counts are folded one after the other. Same bytes as
+    ``realkv.fold_slots``.
+    """
+    counts = [tuple(realkv.num_chunks(s, mode) for s in half) for half in specs]
+    if mode == layout.REAL_KV_NONE or len(set(counts)) == 1:
+        return _fold_together(kv_refs, specs, slots, mode, range(len(specs)))
+    return tuple(_fold_together(kv_refs, specs, slots, mode, (h,))[0] for h in range(len(specs)))
+
+
+def _fold_together(kv_refs, specs, slots, mode: int, halves) -> tuple[hash64.U64, ...]:
+    """The folds of ``halves`` (whose sources fold the same chunk counts), their chunk loops run as one."""
+    outer = [hash64.const(0, slots[h]) for h in halves]
+    if mode == layout.REAL_KV_NONE:
+        return tuple(outer)
+    offsets = {h: [realkv.slot_word_offset(src, slots[h]) for src in specs[h]] for h in halves}
+
+    def load(h, i, chunk):
+        row, word = offsets[h][i]
+        return _chunk_words(kv_refs[h][i], row, word + realkv.chunk_word(specs[h][i], chunk))
+
+    for i in range(len(specs[halves[0]])):
+        n = realkv.num_chunks(specs[halves[0]][i], mode)
+        zero = [hash64.const(0, slots[h]) for h in halves]
+        if n == 1:  # PARTIAL, or a 16-byte read: no loop
+            ones = [realkv.fold_chunk(z, load(h, i, jnp.int32(0))) for z, h in zip(zero, halves, strict=True)]
+        else:
+
+            def step(c, carry, i=i, n=n):
+                accs, words = carry
+                ahead = tuple(load(h, i, jnp.minimum(c + 1, n - 1)) for h in halves)  # the next chunk, in flight
+                return tuple(realkv.fold_chunk(a, w) for a, w in zip(accs, words, strict=True)), ahead
+
+            first = tuple(load(h, i, jnp.int32(0)) for h in halves)
+            ones, _ = lax.fori_loop(jnp.int32(0), jnp.int32(n), step, (tuple(zero), first))
+        outer = [realkv.fold_source_into(o, one) for o, one in zip(outer, ones, strict=True)]
+    return tuple(outer)
 
 
 def source_specs(sources) -> tuple[realkv.RealKvSource, ...]:

@@ -151,8 +151,9 @@ def _check_kernel(*refs, st: tc.Static):
         def _check():
             values = tc.table_values(inp, t, req, start, st)
             entries = tc.plan_entries(inp, t, req, values, active, st)
+            folds = tc.entry_folds(inp, entries, st)
             for h in range(st.halves):
-                bits, _, _ = tc.check_half(inp, h, entries, st)
+                bits, _, _ = tc.check_half(inp, h, entries, folds[h], st)
                 vcount_ref[h, b] = jnp.sum((bits != 0).astype(jnp.int32), dtype=jnp.int32)
             if st.check_table:
                 problem, _ = tc.table_problems(inp, t, values, listed, st)
@@ -192,28 +193,35 @@ def _ring_kernel(*refs, st: tc.Static):
     def write_total(h):
         return tc.row_sum(req_count_ref, h, num_reqs, st)
 
-    issue_total = tc.row_sum(issues_ref, 0, st.num_issues, st, flags=True) if st.num_issues else jnp.int32(0)
-    table_total = tc.row_sum(vcount_ref, st.halves, num_blocks, st) if st.check_table else jnp.int32(0)
+    # The totals are functions, summed only inside the branches that need them: a clean program (the common case)
+    # reads its own counts and exits, instead of first summing every block's and issue's counts.
+    def issue_total():
+        return tc.row_sum(issues_ref, 0, st.num_issues, st, flags=True) if st.num_issues else jnp.int32(0)
+
+    def table_total():
+        return tc.row_sum(vcount_ref, st.halves, num_blocks, st) if st.check_table else jnp.int32(0)
 
     def launch_base(h):
         """Rows before half h's verify: the caller's issues, the table's, then verify and write of every earlier
         half."""
-        base = issue_total + table_total
+        base = issue_total() + table_total()
         for g in range(h):
             base = base + verify_total(g) + write_total(g)
         return base
 
     if st.num_issues:
 
-        @pl.when((pid == 0) & (room > 0) & (issue_total > 0))
+        @pl.when((pid == 0) & (room > 0))
         def _issue_rows():
-            _place_issue_rows(issues_ref, index, room, ring_ref, context_ref, st)
+            @pl.when(issue_total() > 0)
+            def _place():
+                _place_issue_rows(issues_ref, index, room, ring_ref, context_ref, st)
 
     if st.check_table:
 
         @pl.when((pid < num_blocks) & (room > 0) & (vcount_ref[st.halves, jnp.minimum(pid, num_blocks - 1)] > 0))
         def _table_rows():
-            rel = issue_total + tc.row_sum(vcount_ref, st.halves, pid, st)
+            rel = issue_total() + tc.row_sum(vcount_ref, st.halves, pid, st)
 
             @pl.when(rel < room)
             def _place():
@@ -242,7 +250,7 @@ def _ring_kernel(*refs, st: tc.Static):
 
     @pl.when(pid == 0)
     def _bookkeeping():
-        flagged = issue_total + table_total
+        flagged = issue_total() + table_total()
         for h in range(st.halves):
             flagged = flagged + verify_total(h) + write_total(h)
         index_out[0] = index + jnp.minimum(flagged, _INT32_MAX - index)  # saturates instead of wrapping
@@ -315,7 +323,7 @@ def _place_verify_rows(inp, h: int, b, rel, index, room, ring_ref, context_ref, 
     req, start, total = tc.locate(inp, t, st)
     values = tc.table_values(inp, t, req, start, st)
     entries = tc.plan_entries(inp, t, req, values, jnp.where(total > st.capacity, 0, total), st)
-    bits, stored, chain = tc.check_half(inp, h, entries, st)
+    bits, stored, chain = tc.check_half(inp, h, entries, tc.entry_folds(inp, entries, st, (h,))[0], st)
     flagged = (bits != 0).astype(jnp.int32)
     k = rel + jnp.cumsum(flagged, dtype=jnp.int32) - flagged
     ok = (flagged != 0) & (k < room)
@@ -405,6 +413,7 @@ def _store_kernel(*refs, st: tc.Static):
         winner = tc.load(winner_ref, entry, in_range) != 0
     token = hash64.from_i32(tc.load(inp.ids, entry, in_range))
     position = hash64.from_i32(tc.load(inp.positions, entry, in_range))
+    folds = kernel_io.fold_halves(inp.kv, st.specs, [records.clamp_slots(slot, b.shape[0]) for b in outs], st.mode)
     for h, buf_ref in enumerate(outs):
         num_slots = buf_ref.shape[0]
         ok = written & winner & (slot < num_slots)
@@ -413,8 +422,7 @@ def _store_kernel(*refs, st: tc.Static):
             plt.load(prev_hash_ref.at[half, entry, jnp.full((block,), w, jnp.int32)], mask=in_range, other=0)
             for w in (0, 1)
         )
-        real_kv = kernel_io.fold(inp.kv[h], st.specs[h], records.clamp_slots(slot, num_slots), st.mode)
-        kernel_io.store_record(buf_ref, jnp.where(ok, slot, num_slots), ok, (token, position, prev_hash, real_kv))
+        kernel_io.store_record(buf_ref, jnp.where(ok, slot, num_slots), ok, (token, position, prev_hash, folds[h]))
 
 
 # -- entry point -------------------------------------------------------------------------------------------------

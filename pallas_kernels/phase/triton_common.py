@@ -8,7 +8,7 @@ here, so the check kernel and the ring kernel see identical plan entries without
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -347,8 +347,16 @@ def rejects_a_slot(inp: Inputs, start, count, st: Static) -> jax.Array:
     return lax.fori_loop(jnp.int32(0), (count + chunk - 1) // chunk, body, jnp.int32(0)) != 0
 
 
-def check_half(inp: Inputs, h: int, e: Entries, st: Static):
-    """(bits, stored record, H(prev)) of half ``h`` for a block of entries: the verify kernel's check."""
+def entry_folds(inp: Inputs, e: Entries, st: Static, halves: Sequence[int] | None = None) -> tuple[hash64.U64, ...]:
+    """The REAL_KV_HASH of the entries' slots for each of ``halves`` (default: every half), folded together."""
+    halves = range(st.halves) if halves is None else halves
+    slots = [records.clamp_slots(e.slot, inp.bufs[h].shape[0]) for h in halves]
+    return kernel_io.fold_halves([inp.kv[h] for h in halves], [st.specs[h] for h in halves], slots, st.mode)
+
+
+def check_half(inp: Inputs, h: int, e: Entries, real_kv: hash64.U64, st: Static):
+    """(bits, stored record, H(prev)) of half ``h`` for a block of entries, given their :func:`entry_folds`: the
+    verify kernel's check."""
     buf = inp.bufs[h]
     num_slots = buf.shape[0]
     slots = records.clamp_slots(e.slot, num_slots)
@@ -361,7 +369,7 @@ def check_half(inp: Inputs, h: int, e: Entries, st: Static):
         e.prev != 0,  # prev == 0: padding/evicted predecessor, chain unknowable
         e.token if check else None,
         e.position,
-        kernel_io.fold(inp.kv[h], st.specs[h], slots, st.mode),
+        real_kv,
         check_expected_token=check,
     )
     live = (e.t < e.active) & (e.slot != 0)
