@@ -64,8 +64,10 @@ def medians(times: dict) -> dict:
 
 
 def sweep_ms(worker, sched, reps: int = 5) -> tuple[float, int]:
-    """Median wall ms of one sweep of everything the radix cache holds (after a warm-up sweep), and its slots."""
-    guard = sglang_jax.wrap(worker, CONFIG, tree_cache=sched.tree_cache)
+    """Median wall ms of one sweep of everything the radix cache holds (after a warm-up sweep), and its slots.
+
+    The engine is warm (the runs cached their prompts): the guard adopts what the radix cache holds first."""
+    guard = sglang_jax.wrap(worker, CONFIG, tree_cache=sched.tree_cache, live_requests=[])
     try:
         guard.sweep()
         jax.block_until_ready(guard.state)

@@ -24,8 +24,6 @@ import numpy as np
 import kvcanary_jax as kc
 from kvcanary_jax.integrations import sglang_jax
 
-_MIN_CAPACITY = 256
-
 
 def _children(node) -> list:
     """A node's resident children, as :func:`sglang_jax.radix_entries` walks them."""
@@ -77,8 +75,7 @@ def adopt(guard, reqs, req_to_token_pool) -> int:
       ValueError: an entry the engine's tables give that cannot be adopted, named (see ``KvCanary.adopt_plan``).
     """
     entries = adopt_entries(reqs, req_to_token_pool, guard.tree_cache)
-    # A power-of-two capacity: the work scales with what is cached, and few sizes ever compile.
-    capacity = min(guard.canary.pool.num_slots, max(_MIN_CAPACITY, 1 << max(len(entries.slots) - 1, 0).bit_length()))
+    capacity = sglang_jax.sized_capacity(len(entries.slots), guard.canary.pool.num_slots)
     plan = guard.canary.adopt_plan(entries, capacity=capacity)
     runner = guard.runner
     with jax.set_mesh(runner.mesh):

@@ -111,11 +111,12 @@ class ParallelSglangCanary(sglang_jax.SglangCanary):
                 f"max_bs={self.max_bs}, cache_loc={max_verify}, pages={kv0.shape[0]}"
             )
         self.max_bs //= self.dp  # the per-rank oracle's rows
+        self.max_verify //= self.dp
         token_pool = {}
         if self.config.enable_verify_token_assert:
             token_pool = dict(max_reqs=self.max_bs, max_context_len=self.layout.table_width)
         pool = kc.CanaryPool(num_slots=int(kv0.shape[0]) // self.dp * self.layout.page_size,
-                             page_size=self.layout.page_size, verify_capacity=max_verify // self.dp,
+                             page_size=self.layout.page_size, verify_capacity=self.max_verify,
                              **token_pool)  # fmt: skip
         self.canary = kc.KvCanary(self.config, pool)
         self.sharded = kc.ShardedKvCanary(self.canary, kc.MeshLayout(mesh, tp_axis=_TENSOR))
@@ -135,6 +136,11 @@ class ParallelSglangCanary(sglang_jax.SglangCanary):
                  for r, rank_reqs in enumerate(reqs)]  # fmt: skip
         return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
 
+    def _verify_capacity(self, model_worker_batch) -> int:
+        """The busiest DP rank's (every rank runs plans of one size)."""
+        sections = (_section(model_worker_batch, r, self.dp) for r in range(self.dp))
+        return sglang_jax.sized_capacity(max(map(sglang_jax.verify_need, sections)), self.max_verify)
+
     def _mark_init_finished(self) -> None:
         self.state = self._typed(self.sharded.mark_init_finished(self.state))
 
@@ -144,9 +150,11 @@ class ParallelSglangCanary(sglang_jax.SglangCanary):
         return jax.tree.map(lambda x: jax.device_put(x, NamedSharding(mesh, P(*lead, *(None,) * (x.ndim - len(lead))))),
                             state)  # fmt: skip
 
-    def _run(self, launch: str, *args, **static) -> None:
+    def _run(self, launch: str, *args, capacity: int | None = None, **static) -> None:
+        sharded = self.sharded if capacity is None else kc.ShardedKvCanary(self._sized_canary(capacity),
+                                                                           self.sharded.mesh_layout)  # fmt: skip
         with jax.set_mesh(self.runner.mesh):
-            self.state = _LAUNCHES[launch](self.state, *args, sharded=self.sharded, **static)
+            self.state = _LAUNCHES[launch](self.state, *args, sharded=sharded, **static)
 
     def sweep(self, entries: list[kc.SweepEntries] | None = None) -> None:
         """Verifies every slot the radix cache holds now, each DP rank its own, or ``entries`` (one per rank)."""

@@ -20,6 +20,10 @@ What the engine's batch becomes (all on device, inside the HEAD / TAIL jits):
 * real KV: layer 0's fused array ``[pages, page_size, 2 * kv_heads // packing, packing, head_dim]`` (K and V
   alternate per head) read in place as a K source and a V source (a byte offset and a stride; no copy), on the
   engine's explicit mesh sharding.
+* plan sizes: a forward verifies at most its real rows' ``seq_lens`` summed (known on the host), so HEAD and TAIL
+  run with plans of the next power of two of that (:func:`sized_capacity`: at least 256, at most the largest
+  ``cache_loc`` bucket), one compile per size and mode. The canary's work follows its plans' size, and the bucket
+  (every row at the model's context length) is many times what a batch holds.
 * sweep: every slot the ``RadixCache`` holds (a depth-first walk of its nodes).
 * token oracle: ``req.origin_input_ids + req.output_ids`` of each request, for the write-input assert (the tokens
   each forward writes) and the verify-token assert (each cached slot's token), taken on the scheduler's thread when
@@ -63,6 +67,7 @@ _FIELDS = ("input_ids", "positions", "out_cache_loc", "req_pool_indices", "seq_l
            "extend_prefix_lens", "extend_seq_lens")  # fmt: skip
 _MAPPED_MODES = ("EXTEND", "MIXED", "DECODE")
 _KEEP_REQUESTS = 64  # steps whose batch requests are kept for report lookups
+_MIN_CAPACITY = 256  # the smallest plan a forward (or an adoption) is sized for
 
 
 def require_sglang_jax():
@@ -169,6 +174,22 @@ def canary_batch(fields: dict, layout: Layout, *, is_decode: bool, oracle: dict)
     )
 
 
+def sized_capacity(need: int, limit: int) -> int:
+    """A plan capacity for ``need`` entries: the next power of two, at least 256, at most ``limit``.
+
+    The canary's work scales with its plan's capacity, not with what the plan lists: a few power-of-two sizes keep
+    it near the batch's own size at a few compiles per mode.
+    """
+    return min(limit, max(_MIN_CAPACITY, 1 << max(need - 1, 0).bit_length()))
+
+
+def verify_need(model_worker_batch) -> int:
+    """At least the entries a forward of this batch verifies (the real rows' cached prefixes): the rows' ``seq_lens``
+    summed (host numpy)."""
+    rpi, seq_lens = np.asarray(model_worker_batch.req_pool_indices), np.asarray(model_worker_batch.seq_lens)
+    return int(np.sum(seq_lens, where=(rpi >= 0) & (seq_lens > 0)))
+
+
 def batch_fields(forward_batch) -> dict:
     """The ``ForwardBatch`` arrays the mapping reads."""
     return {k: getattr(forward_batch, k) for k in _FIELDS if getattr(forward_batch, k, None) is not None}
@@ -260,7 +281,8 @@ class Pending:
     Attributes:
       rids: each batch row's ``rid``; oracle: the host token oracle (numpy); cache_loc: a copy of the batch's
       ``cache_loc`` (the engine builds it in one host buffer it reuses every step: under the overlap scheduler the next
-      batch overwrites it while this one runs, and on CPU the device array may alias it); sweep: the radix slots to
+      batch overwrites it while this one runs, and on CPU the device array may alias it); verify_capacity: the
+      HEAD and TAIL plans' size (:func:`sized_capacity` of the batch's :func:`verify_need`); sweep: the radix slots to
       verify after the forward (overlap scheduler only); before_forward / before_sweep: callables run on the
       forward's thread (fault drills).
     """
@@ -268,6 +290,7 @@ class Pending:
     rids: list
     oracle: dict
     cache_loc: np.ndarray | None = None
+    verify_capacity: int | None = None
     sweep: kc.SweepEntries | None = None
     before_forward: list = dataclasses.field(default_factory=list)
     before_sweep: list = dataclasses.field(default_factory=list)
@@ -297,7 +320,9 @@ class SglangCanary:
         self.layout = Layout(page_size=page_size, table_width=-(-width // page_size) * page_size)
         _, bs_buckets, cache_loc_buckets = worker.get_precompile_paddings()
         self.max_bs = int(max(bs_buckets))
-        self._build(kv0, max_verify=int(max(cache_loc_buckets)))
+        self.max_verify = int(max(cache_loc_buckets))  # a forward verifies at most the slots attention reads
+        self._build(kv0, max_verify=self.max_verify)
+        self._sized: dict[int, kc.KvCanary] = {}  # verify capacity -> the canary with plans of that size
         self.steps = 0
         self.on_enqueue: Callable | None = None
         self.on_step_end: Callable | None = None
@@ -416,7 +441,8 @@ class SglangCanary:
         if write or verify:
             oracle = self._token_oracle(reqs, model_worker_batch, write=write, verify=verify)
         pending = Pending(rids=self._rids(reqs), oracle=oracle,
-                          cache_loc=np.array(model_worker_batch.cache_loc, np.int32))  # fmt: skip
+                          cache_loc=np.array(model_worker_batch.cache_loc, np.int32),
+                          verify_capacity=self._verify_capacity(model_worker_batch))  # fmt: skip
         interval = self.config.sweep_interval
         if self.overlap and self.tree_cache is not None and interval > 0 and self._enqueued % interval == 0:
             pending.sweep = radix_entries(self.tree_cache)  # the tree as the scheduler's thread holds it now
@@ -465,7 +491,7 @@ class SglangCanary:
         if self.overlap and "expected_input_ids" in oracle:
             oracle["future_map"] = self.worker.future_token_ids_map  # the map this batch's input ids resolved with
         fields = {**batch_fields(forward_batch), "cache_loc": jnp.asarray(pending.cache_loc)}
-        static = dict(layout=self.layout, is_decode=is_decode)
+        static = dict(layout=self.layout, is_decode=is_decode, capacity=pending.verify_capacity)
         self._run("head", fields, oracle, **static)
         out = self._forward(forward_batch, logits_metadata, *args, **kwargs)
         kv0 = self.runner.token_to_kv_pool.kv_buffer[0]  # the forward donated the pools: read them afresh
@@ -507,13 +533,27 @@ class SglangCanary:
     def _token_oracle(self, reqs, model_worker_batch, *, write: bool, verify: bool) -> dict:
         return token_oracle(reqs, model_worker_batch, self.layout, max_bs=self.max_bs, write=write, verify=verify)
 
+    def _verify_capacity(self, model_worker_batch) -> int:
+        """The HEAD and TAIL plans' size for this batch."""
+        return sized_capacity(verify_need(model_worker_batch), self.max_verify)
+
+    def _sized_canary(self, capacity: int | None) -> kc.KvCanary:
+        """The canary with HEAD / TAIL plans of ``capacity`` entries (None: ``max_verify``); the same records."""
+        if capacity is None:
+            return self.canary
+        if capacity not in self._sized:
+            pool = dataclasses.replace(self.canary.pool, verify_capacity=capacity)
+            self._sized[capacity] = dataclasses.replace(self.canary, pool=pool)
+        return self._sized[capacity]
+
     def _mark_init_finished(self) -> None:
         self.state = self._on_mesh(self.canary.mark_init_finished(self.state))
 
-    def _run(self, launch: str, *args, **static) -> None:
-        """Runs the ``head``, ``tail`` or ``sweep`` jit on the state, on the engine's mesh."""
+    def _run(self, launch: str, *args, capacity: int | None = None, **static) -> None:
+        """Runs the ``head``, ``tail`` or ``sweep`` jit on the state, on the engine's mesh, with plans of
+        ``capacity`` entries."""
         with jax.set_mesh(self.runner.mesh):
-            self.state = _LAUNCHES[launch](self.state, *args, canary=self.canary, **static)
+            self.state = _LAUNCHES[launch](self.state, *args, canary=self._sized_canary(capacity), **static)
 
     def _on_mesh(self, state):
         """The state replicated on the engine's mesh, typed as the jits return it (one compile per shape)."""

@@ -75,9 +75,12 @@ class KvCanary:
     @property
     def fingerprint(self) -> int:
         """What a state's records mean: the pool and the config fields the launches read (not the host's mode,
-        periods or backend, which any canary of the same records may differ in)."""
-        c = self.config
-        fields = (self.pool, c.ring_capacity, c.real_kv_hash_mode, c.enable_write_input_assert,
+        periods or backend, nor the pool's verify capacities, a per-forward sizing: any canary of the same records
+        may differ in those)."""
+        c, pool = self.config, self.pool
+        swa = None if pool.swa is None else dataclasses.replace(pool.swa, verify_capacity=None)
+        pool = dataclasses.replace(pool, verify_capacity=None, swa=swa)
+        fields = (pool, c.ring_capacity, c.real_kv_hash_mode, c.enable_write_input_assert,
                   c.enable_verify_token_assert)  # fmt: skip
         return zlib.crc32(repr(fields).encode())
 

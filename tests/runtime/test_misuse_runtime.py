@@ -277,6 +277,8 @@ def test_a_same_shaped_state_of_another_config_is_refused_at_trace_time():
         _trace(canary, _host_batch(), other)
     same_records = kc.KvCanary(dataclasses.replace(canary.config, mode="log", backend="xla"), canary.pool)
     assert _trace(canary, _host_batch(), same_records.init_state()).fingerprint == canary.fingerprint
+    resized = kc.KvCanary(canary.config, dataclasses.replace(canary.pool, verify_capacity=7))  # a per-forward sizing
+    assert _trace(resized, _host_batch(), canary.init_state()).fingerprint == canary.fingerprint
 
 
 def test_the_monitor_refuses_an_older_state_and_a_donated_one_by_name():
