@@ -5,6 +5,7 @@ import re
 
 import hypothesis
 import hypothesis.strategies as st
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -233,6 +234,20 @@ def _launch_rows(n: int, size: int) -> tuple[np.ndarray, np.ndarray]:
     return rows, context
 
 
+def _row_builder(rows: jax.Array, context: jax.Array):
+    return lambda entry: (rows[entry], context[entry])
+
+
+# The appends run jitted, one compile per example's shapes, instead of op by op: the examples' many shapes made
+# hundreds of small eager compiles.
+@jax.jit
+def _append_launches(log, flags, rows, contexts):
+    """``_ring.append`` of each launch in turn."""
+    for f, r, c in zip(flags, rows, contexts, strict=True):
+        log = _ring.append(log, f, _row_builder(r, c))
+    return log
+
+
 @hypothesis.settings(max_examples=60, deadline=None)
 @hypothesis.given(
     capacity=st.integers(1, 12),
@@ -250,12 +265,14 @@ def test_single_appends_match_the_spec_scatter_form(capacity, index, launches):
         violation_context=jnp.full((capacity, 3), -7, jnp.int32),
     )
     want_ring, want_context, want_index = np.asarray(log.violation_ring), np.asarray(log.violation_context), index
+    sources = []
     for n, flags in enumerate(launches):
         flags = np.asarray(flags, bool)
         rows, context = _launch_rows(n, flags.size)
         want_context, _ = _spec_append(want_context, want_index, flags, context)
         want_ring, want_index = _spec_append(want_ring, want_index, flags, rows)
-        log = _ring.append(log, jnp.asarray(flags), lambda e, r=rows, c=context: (jnp.asarray(r)[e], jnp.asarray(c)[e]))
+        sources.append((flags, rows, context))
+    log = _append_launches(log, *(tuple(map(jnp.asarray, x)) for x in zip(*sources, strict=True)))
     np.testing.assert_array_equal(np.asarray(log.violation_ring), want_ring)
     np.testing.assert_array_equal(np.asarray(log.violation_context), want_context)
     assert int(log.violation_write_index[0]) == want_index
