@@ -170,6 +170,7 @@ def _store_kernel(
     base = pl.program_id(0) * (rows * LANES)
     count = jnp.clip(loc_ref.shape[0] - base, 0, rows * LANES)
     stored = lambda e: store_ref[base + e] != 0  # noqa: E731
+    rec_sem, kv_sems = mosaic_io.semaphore(sems, 0), [mosaic_io.semaphore(sems, 1 + i) for i in range(num_sources)]
 
     if num_sources:  # only stored entries fold: the others' (stale) columns are never written out
         mosaic_io.gather(
@@ -177,10 +178,9 @@ def _store_kernel(
             lambda e: [
                 copy
                 for i in range(num_sources)
-                for copy in mosaic_io.kv_copies(
-                    kv_hbm[i], windows[i], loc_ref[base + e], kv_refs[i], e, mosaic_io.semaphore(sems, 1 + i)
-                )
+                for copy in mosaic_io.kv_copies(kv_hbm[i], windows[i], loc_ref[base + e], kv_refs[i], e, kv_sems[i])
             ],
+            lambda e: [mosaic_io.row_wait(kv_refs[i], e, kv_sems[i]) for i in range(num_sources)],
             when=stored,
         )
         for kv_ref, kv_t_ref in zip(kv_refs, kv_t_refs, strict=True):
@@ -195,9 +195,8 @@ def _store_kernel(
     mosaic_io.store_record_columns(rec_ref, record)
     mosaic_io.gather(
         count,
-        lambda e: [
-            mosaic_io.record_copy(buf_hbm, loc_ref[base + e], rec_ref, e, mosaic_io.semaphore(sems, 0), to_hbm=True)
-        ],
+        lambda e: [mosaic_io.record_copy(buf_hbm, loc_ref[base + e], rec_ref, e, rec_sem, to_hbm=True)],
+        lambda e: [mosaic_io.record_copy(buf_hbm, jnp.int32(0), rec_ref, e, rec_sem, to_hbm=True)],  # any slot
         when=stored,
     )
 
