@@ -119,11 +119,12 @@ def record_copy(buf_hbm, slot: jax.Array, rec_ref, e: jax.Array, sem, *, to_hbm:
     return pltpu.make_async_copy(vmem, hbm, sem) if to_hbm else pltpu.make_async_copy(hbm, vmem, sem)
 
 
-def row_wait(ref, e: jax.Array, sem):
-    """A wait for every DMA into entry ``e``'s row of a VMEM scratch, on one semaphore: a descriptor of their
-    destinations' union with ``src = dst``. A DMA wait uses only its semaphore and its destination's size (ragged
-    paged attention waits for a block of page copies the same way), so one wait replaces one per copy."""
-    row = _at(ref, e)
+def row_wait(ref, e: jax.Array, sem, parts: tuple[int, int] | None = None):
+    """A wait for every DMA into entry ``e``'s row of a VMEM scratch (or into its ``parts = (first, count)`` of a
+    ``[rows, 128, parts, ...]`` scratch), on one semaphore: a descriptor of their destinations' union with
+    ``src = dst``. A DMA wait uses only its semaphore and its destination's size (ragged paged attention waits for
+    a block of page copies the same way), so one wait replaces one per copy."""
+    row = _at(ref, e) if parts is None else ref.at[e >> _LANE_BITS, pl.ds(e & (LANES - 1), 1), pl.ds(*parts)]
     return pltpu.make_async_copy(row, row, sem)
 
 

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
@@ -53,8 +54,10 @@ def _verify_kernel(
     """Fail bits of one block of entries in each buffer; entries past ``num_active`` (and blocks wholly past it)
     get zeros.
 
-    The buffers (K and V) share the plan, so each entry's slot ids are read from SMEM once, and its ``2 * H``
-    records (stored and predecessor, per buffer) land in one row of one scratch, waited for at once.
+    The buffers (K and V) share the plan, so each entry's slot ids are read from SMEM once, and its records land
+    in one row of one scratch (stored records at parts ``0 .. H-1``, predecessors at ``H .. 2H-1``), waited for
+    at once. A predecessor that is the previous entry's slot (a request's chain, lane ``e - 1`` of the same row)
+    is not fetched: its record is the previous lane's stored one, rolled into place.
     """
     num_buffers, flat = len(specs), [s for half in specs for s in half]
     bufs_hbm, rest = refs[:num_buffers], refs[num_buffers:]
@@ -65,24 +68,36 @@ def _verify_kernel(
     rows, num_slots = out_refs[0].shape[0], bufs_hbm[0].shape[0]
     base = pl.program_id(0) * (rows * LANES)
     count = jnp.clip(num_active_ref[0] - base, 0, rows * LANES)
-    kv_sems = [mosaic_io.semaphore(sems, 1 + i) for i in range(len(flat))]
+    rec_sem, kv_sems = mosaic_io.semaphore(sems, 0), [mosaic_io.semaphore(sems, 1 + i) for i in range(len(flat))]
 
-    def starts(e):
-        slot = records.clamp_slots(slot_ref[base + e], num_slots)
-        prev = records.clamp_slots(prev_ref[base + e], num_slots)
-        sem = mosaic_io.semaphore(sems, 0)
-        copies = [
-            mosaic_io.record_copy(buf, s, rec_ref, e, sem, part=2 * h + j)
-            for h, buf in enumerate(bufs_hbm)
-            for j, s in enumerate((slot, prev))
-        ]
+    def start(e, carry):
+        previous, fetched = carry  # the previous entry's slot id, predecessors fetched so far
+        raw_slot, raw_prev = slot_ref[base + e], prev_ref[base + e]
+        slot = records.clamp_slots(raw_slot, num_slots)
+        for h, buf in enumerate(bufs_hbm):
+            mosaic_io.record_copy(buf, slot, rec_ref, e, rec_sem, part=h).start()
         for i in range(len(flat)):
-            copies += mosaic_io.kv_copies(kv_hbm[i], windows[i], slot, kv_refs[i], e, kv_sems[i])
-        return copies
+            for copy in mosaic_io.kv_copies(kv_hbm[i], windows[i], slot, kv_refs[i], e, kv_sems[i]):
+                copy.start()
+        fetch = ((e & (LANES - 1)) == 0) | (raw_prev != previous)  # the vector side's ``reused``, negated
 
-    def waits(e):  # one per destination row: the union of the copies into it
-        sem = mosaic_io.semaphore(sems, 0)
-        return [mosaic_io.row_wait(rec_ref, e, sem), *(mosaic_io.row_wait(r, e, s) for r, s in zip(kv_refs, kv_sems))]
+        @pl.when(fetch)
+        def _():
+            prev = records.clamp_slots(raw_prev, num_slots)
+            for h, buf in enumerate(bufs_hbm):
+                mosaic_io.record_copy(buf, prev, rec_ref, e, rec_sem, part=num_buffers + h).start()
+
+        return raw_slot, fetched + fetch.astype(jnp.int32)
+
+    def wait(e, carry):  # entry e's records (one union) and KV windows
+        mosaic_io.row_wait(rec_ref, e, rec_sem, parts=(0, num_buffers)).wait()
+        for kv_ref, sem in zip(kv_refs, kv_sems, strict=True):
+            mosaic_io.row_wait(kv_ref, e, sem).wait()
+        return carry
+
+    def wait_fetched(i, carry):  # one fetched entry's predecessors: the same size as any entry's union
+        mosaic_io.row_wait(rec_ref, i, rec_sem, parts=(num_buffers, num_buffers)).wait()
+        return carry
 
     @pl.when(count == 0)
     def _skip():
@@ -91,24 +106,31 @@ def _verify_kernel(
 
     @pl.when(count > 0)
     def _check():
-        mosaic_io.gather(count, starts, waits)  # rows past count keep stale scratch; their bits are masked below
+        _, fetched = lax.fori_loop(0, count, start, (jnp.int32(0), jnp.int32(0)))
+        lax.fori_loop(0, count, wait, 0)  # rows past count keep stale scratch; their bits are masked below
+        lax.fori_loop(0, fetched, wait_fetched, 0)
         for kv_ref, kv_t_ref in zip(kv_refs, kv_t_refs, strict=True):
             mosaic_io.transpose_kv(kv_ref, kv_t_ref)
         slot, prev = slot_v_ref[...], prev_v_ref[...]
+        lane, one = lax.broadcasted_iota(jnp.int32, slot.shape, 1), jnp.int32(1)  # i32: Mosaic rejects an i64 shift
+        reused = (lane != 0) & (prev == pltpu.roll(slot, one, 1))  # jnp.roll's direction
         live = (mosaic_io.entry_index(rows) < count) & (slot != layout.PADDING_SLOT)
         first = 0
         for h, (half, out_ref) in enumerate(zip(specs, out_refs, strict=True)):
             sources = slice(first, first + len(half))
             first += len(half)
+            stored = mosaic_io.record_columns(rec_ref, h)
+            predecessor = tuple(
+                tuple(jnp.where(reused, pltpu.roll(mine, one, 1), theirs) for mine, theirs in zip(f, g, strict=True))
+                for f, g in zip(stored, mosaic_io.record_columns(rec_ref, num_buffers + h), strict=True)
+            )
             bits = reference.entry_bits(
-                mosaic_io.record_columns(rec_ref, 2 * h),
-                records.record_hash(prev, mosaic_io.record_columns(rec_ref, 2 * h + 1)),
+                stored,
+                records.record_hash(prev, predecessor),
                 prev != 0,  # prev == 0: padding/evicted predecessor, chain unknowable
                 token_v_ref[...] if check_expected_token else None,
                 position_v_ref[...],
-                realkv.fold_loaded(
-                    half, slot, mode, mosaic_io.chunk_loader(kv_t_refs[sources], windows[sources])
-                ),
+                realkv.fold_loaded(half, slot, mode, mosaic_io.chunk_loader(kv_t_refs[sources], windows[sources])),
                 check_expected_token=check_expected_token,
             )
             out_ref[...] = jnp.where(live, bits, 0)
