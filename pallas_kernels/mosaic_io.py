@@ -106,14 +106,26 @@ def _at(ref, e: jax.Array):
     return ref.at[e >> _LANE_BITS, pl.ds(e & (LANES - 1), 1)]  # e >= 0: arithmetic shift is exact
 
 
-def record_copy(buf_hbm, slot: jax.Array, rec_ref, e: jax.Array, sem, *, to_hbm: bool = False):
-    """DMA of record ``slot`` of ``u32[num_slots, 4, 2]`` to (or from) entry ``e``'s row of ``u32[rows, 128, 4, 2]``.
+def record_copy(buf_hbm, slot: jax.Array, rec_ref, e: jax.Array, sem, *, to_hbm: bool = False, part: int | None = None):
+    """DMA of record ``slot`` of ``u32[num_slots, 4, 2]`` to (or from) entry ``e``'s row of ``u32[rows, 128, 4, 2]``
+    (or its ``part`` of ``u32[rows, 128, parts, 4, 2]``).
 
     The HBM side is a whole record on the leading dim: the canary buffer keeps its own shape, since reshaping it
     to rows of 8 words would make XLA relayout (copy) the whole buffer on TPU.
     """
-    hbm, vmem = buf_hbm.at[pl.ds(slot, 1)], _at(rec_ref, e)
+    # An int32 part: a Python int is int64 under x64, which Mosaic rejects as an index.
+    vmem = _at(rec_ref, e) if part is None else rec_ref.at[e >> _LANE_BITS, pl.ds(e & (LANES - 1), 1), jnp.int32(part)]
+    hbm = buf_hbm.at[pl.ds(slot, 1)]
     return pltpu.make_async_copy(vmem, hbm, sem) if to_hbm else pltpu.make_async_copy(hbm, vmem, sem)
+
+
+def row_wait(ref, e: jax.Array, sem, parts: tuple[int, int] | None = None):
+    """A wait for every DMA into entry ``e``'s row of a VMEM scratch (or into its ``parts = (first, count)`` of a
+    ``[rows, 128, parts, ...]`` scratch), on one semaphore: a descriptor of their destinations' union with
+    ``src = dst``. A DMA wait uses only its semaphore and its destination's size (ragged paged attention waits for
+    a block of page copies the same way), so one wait replaces one per copy."""
+    row = _at(ref, e) if parts is None else ref.at[e >> _LANE_BITS, pl.ds(e & (LANES - 1), 1), pl.ds(*parts)]
+    return pltpu.make_async_copy(row, row, sem)
 
 
 def kv_copies(kv_hbm, window: KvWindow, slot: jax.Array, kv_ref, e: jax.Array, sem) -> list:
@@ -139,36 +151,48 @@ def kv_copies(kv_hbm, window: KvWindow, slot: jax.Array, kv_ref, e: jax.Array, s
     return copies
 
 
-def gather(count: jax.Array, copies: Callable[[jax.Array], Sequence], when: Callable | None = None) -> None:
-    """Starts the DMAs ``copies(e)`` of entries ``e < count`` (where ``when(e)``), then waits for every one.
+def gather(
+    count: jax.Array,
+    starts: Callable[[jax.Array], Sequence],
+    waits: Callable[[jax.Array], Sequence],
+    when: Callable | None = None,
+) -> None:
+    """Starts the DMAs ``starts(e)`` of entries ``e < count`` (where ``when(e)``), then waits ``waits(i)`` once per
+    started entry.
 
-    All copies of one kind share a semaphore; each wait consumes one copy's bytes, so waiting once per started
-    copy, with the same descriptors, leaves every copy finished and the semaphores at zero.
+    ``waits(i)`` must consume what one entry's starts signal, semaphore by semaphore (the same descriptors, or
+    :func:`row_wait` unions); a wait needs no source address, so the wait loop reads no slot ids from SMEM and
+    waits for entries ``0 .. started - 1``, whose destinations have the same sizes as the started ones.
     """
 
-    def each(method):
-        def body(e, carry):
-            def run():
-                for copy in copies(e):
-                    getattr(copy, method)()
+    def start(e, started):
+        if when is None:
+            for copy in starts(e):
+                copy.start()
+            return started + 1
+        ok = when(e)
 
-            if when is None:
-                run()
-            else:
-                pl.when(when(e))(run)
-            return carry
+        @pl.when(ok)
+        def _():
+            for copy in starts(e):
+                copy.start()
 
-        lax.fori_loop(0, count, body, 0)
+        return started + ok.astype(jnp.int32)
 
-    each("start")
-    each("wait")
+    def wait(i, carry):
+        for copy in waits(i):
+            copy.wait()
+        return carry
+
+    lax.fori_loop(0, lax.fori_loop(0, count, start, jnp.int32(0)), wait, 0)
 
 
-def record_columns(rec_ref) -> records.Record:
-    """The four u64 fields of the ``u32[rows, 128, 4, 2]`` records as ``u32[rows, 128]`` (lo, hi) columns."""
+def record_columns(rec_ref, part: int) -> records.Record:
+    """The four u64 fields of records ``part`` of ``u32[rows, 128, parts, 4, 2]`` as ``u32[rows, 128]`` (lo, hi)
+    columns."""
     fields = []
     for f in range(layout.CANARY_FIELDS_PER_SLOT):
-        pairs = jnp.swapaxes(rec_ref[:, :, f, :], 1, 2)  # u32[rows, 2, 128]: transpose of the last two axes
+        pairs = jnp.swapaxes(rec_ref[:, :, part, f, :], 1, 2)  # u32[rows, 2, 128]: transpose of the last two axes
         fields.append((pairs[:, 0, :], pairs[:, 1, :]))
     return tuple(fields)
 

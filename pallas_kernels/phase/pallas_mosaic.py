@@ -28,19 +28,19 @@ def phase(
     loaded = reference.load_halves(buffers, plan)  # every record the rows read, before any store
     num_reqs = jnp.full((1,), p.batch.req_pool_indices.shape[0], jnp.int32)
     pending, new_buffers = list(p.pending), []
-    for h, (buf, tag, sources) in enumerate(zip(buffers, spec.tags, real_kv_sources, strict=True)):
-        bits = verify_kernels.verify_bits(
-            buf,
-            plan.slot_indices,
-            plan.expected_tokens,
-            plan.expected_positions,
-            plan.prev_slot_indices,
-            plan.active,
-            real_kv_sources=sources,
-            real_kv_hash_mode=spec.real_kv_hash_mode,
-            check_expected_token=check,
-            interpret=interpret,
-        )
+    all_bits = verify_kernels.verify_bits_of_buffers(  # both halves in one launch, before any store
+        buffers,
+        plan.slot_indices,
+        plan.expected_tokens,
+        plan.expected_positions,
+        plan.prev_slot_indices,
+        plan.active,
+        real_kv_sources=real_kv_sources,
+        real_kv_hash_mode=spec.real_kv_hash_mode,
+        check_expected_token=check,
+        interpret=interpret,
+    )
+    for h, (buf, tag, sources, bits) in enumerate(zip(buffers, spec.tags, real_kv_sources, all_bits, strict=True)):
         verify = reference.verify_rows(p, reference.half(loaded, h), bits, tag, check, capacity)
         buf, chain = write_kernels.write(
             buf,

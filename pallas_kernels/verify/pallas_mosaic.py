@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
@@ -43,86 +45,122 @@ def _verify_kernel(
     prev_v_ref,  # i32[rows, 128]
     token_v_ref,  # i32[rows, 128]
     position_v_ref,  # i32[rows, 128]
-    buf_hbm,  # u32[num_slots, 4, 2] in HBM
-    *refs,  # KV views u{8,16,32}[pages, row] in HBM..., out i32[rows, 128], then the scratch (below)
-    specs: tuple[realkv.RealKvSource, ...],
+    *refs,  # per buffer: its records u32[num_slots, 4, 2] in HBM; then every buffer's KV views u{8,16,32}[pages,
+    # row] in HBM; one out i32[rows, 128] per buffer; then the scratch (below)
+    specs: tuple[tuple[realkv.RealKvSource, ...], ...],
     mode: int,
     check_expected_token: bool,
 ):
-    """Fail bits of one block of entries; entries past ``num_active`` (and blocks wholly past it) get zeros."""
-    num_sources = len(specs)
-    kv_hbm, (out_ref, rec_ref, prev_rec_ref) = refs[:num_sources], refs[num_sources : num_sources + 3]
-    kv_refs = refs[num_sources + 3 : 2 * num_sources + 3]  # dtype[rows, 128, window]
-    kv_t_refs = refs[2 * num_sources + 3 : 3 * num_sources + 3]  # u32[rows, window, 128]
-    sems = refs[-1]  # DMA[2 + num_sources]
-    windows = [mosaic_io.kv_window(s, mode) for s in specs]
-    rows, num_slots = out_ref.shape[0], buf_hbm.shape[0]
+    """Fail bits of one block of entries in each buffer; entries past ``num_active`` (and blocks wholly past it)
+    get zeros.
+
+    The buffers (K and V) share the plan, so each entry's slot ids are read from SMEM once, and its records land
+    in one row of one scratch (stored records at parts ``0 .. H-1``, predecessors at ``H .. 2H-1``), waited for
+    at once. A predecessor that is the previous entry's slot (a request's chain, lane ``e - 1`` of the same row)
+    is not fetched: its record is the previous lane's stored one, rolled into place.
+    """
+    num_buffers, flat = len(specs), [s for half in specs for s in half]
+    bufs_hbm, rest = refs[:num_buffers], refs[num_buffers:]
+    kv_hbm, rest = rest[: len(flat)], rest[len(flat) :]
+    out_refs, rec_ref, rest = rest[:num_buffers], rest[num_buffers], rest[num_buffers + 1 :]
+    kv_refs, kv_t_refs, sems = rest[: len(flat)], rest[len(flat) : 2 * len(flat)], rest[-1]  # sems: DMA[1 + sources]
+    windows = [mosaic_io.kv_window(s, mode) for s in flat]
+    rows, num_slots = out_refs[0].shape[0], bufs_hbm[0].shape[0]
     base = pl.program_id(0) * (rows * LANES)
     count = jnp.clip(num_active_ref[0] - base, 0, rows * LANES)
+    rec_sem, kv_sems = mosaic_io.semaphore(sems, 0), [mosaic_io.semaphore(sems, 1 + i) for i in range(len(flat))]
 
-    def copies(e):
-        slot = records.clamp_slots(slot_ref[base + e], num_slots)
-        prev = records.clamp_slots(prev_ref[base + e], num_slots)
-        return [
-            mosaic_io.record_copy(buf_hbm, slot, rec_ref, e, mosaic_io.semaphore(sems, 0)),
-            mosaic_io.record_copy(buf_hbm, prev, prev_rec_ref, e, mosaic_io.semaphore(sems, 1)),
-            *(
-                copy
-                for i in range(num_sources)
-                for copy in mosaic_io.kv_copies(
-                    kv_hbm[i], windows[i], slot, kv_refs[i], e, mosaic_io.semaphore(sems, 2 + i)
-                )
-            ),
-        ]
+    def start(e, carry):
+        previous, fetched = carry  # the previous entry's slot id, predecessors fetched so far
+        raw_slot, raw_prev = slot_ref[base + e], prev_ref[base + e]
+        slot = records.clamp_slots(raw_slot, num_slots)
+        for h, buf in enumerate(bufs_hbm):
+            mosaic_io.record_copy(buf, slot, rec_ref, e, rec_sem, part=h).start()
+        for i in range(len(flat)):
+            for copy in mosaic_io.kv_copies(kv_hbm[i], windows[i], slot, kv_refs[i], e, kv_sems[i]):
+                copy.start()
+        fetch = ((e & (LANES - 1)) == 0) | (raw_prev != previous)  # the vector side's ``reused``, negated
+
+        @pl.when(fetch)
+        def _():
+            prev = records.clamp_slots(raw_prev, num_slots)
+            for h, buf in enumerate(bufs_hbm):
+                mosaic_io.record_copy(buf, prev, rec_ref, e, rec_sem, part=num_buffers + h).start()
+
+        return raw_slot, fetched + fetch.astype(jnp.int32)
+
+    def wait(e, carry):  # entry e's records (one union) and KV windows
+        mosaic_io.row_wait(rec_ref, e, rec_sem, parts=(0, num_buffers)).wait()
+        for kv_ref, sem in zip(kv_refs, kv_sems, strict=True):
+            mosaic_io.row_wait(kv_ref, e, sem).wait()
+        return carry
+
+    def wait_fetched(i, carry):  # one fetched entry's predecessors: the same size as any entry's union
+        mosaic_io.row_wait(rec_ref, i, rec_sem, parts=(num_buffers, num_buffers)).wait()
+        return carry
 
     @pl.when(count == 0)
     def _skip():
-        out_ref[...] = jnp.zeros(out_ref.shape, jnp.int32)
+        for out_ref in out_refs:
+            out_ref[...] = jnp.zeros(out_ref.shape, jnp.int32)
 
     @pl.when(count > 0)
     def _check():
-        mosaic_io.gather(count, copies)  # rows past count keep stale scratch; their bits are masked below
+        _, fetched = lax.fori_loop(0, count, start, (jnp.int32(0), jnp.int32(0)))
+        lax.fori_loop(0, count, wait, 0)  # rows past count keep stale scratch; their bits are masked below
+        lax.fori_loop(0, fetched, wait_fetched, 0)
         for kv_ref, kv_t_ref in zip(kv_refs, kv_t_refs, strict=True):
             mosaic_io.transpose_kv(kv_ref, kv_t_ref)
         slot, prev = slot_v_ref[...], prev_v_ref[...]
-        bits = reference.entry_bits(
-            mosaic_io.record_columns(rec_ref),
-            records.record_hash(prev, mosaic_io.record_columns(prev_rec_ref)),
-            prev != 0,  # prev == 0: padding/evicted predecessor, chain unknowable
-            token_v_ref[...] if check_expected_token else None,
-            position_v_ref[...],
-            realkv.fold_loaded(specs, slot, mode, mosaic_io.chunk_loader(kv_t_refs, windows)),
-            check_expected_token=check_expected_token,
-        )
+        lane, one = lax.broadcasted_iota(jnp.int32, slot.shape, 1), jnp.int32(1)  # i32: Mosaic rejects an i64 shift
+        reused = (lane != 0) & (prev == pltpu.roll(slot, one, 1))  # jnp.roll's direction
         live = (mosaic_io.entry_index(rows) < count) & (slot != layout.PADDING_SLOT)
-        out_ref[...] = jnp.where(live, bits, 0)
+        first = 0
+        for h, (half, out_ref) in enumerate(zip(specs, out_refs, strict=True)):
+            sources = slice(first, first + len(half))
+            first += len(half)
+            stored = mosaic_io.record_columns(rec_ref, h)
+            predecessor = tuple(
+                tuple(jnp.where(reused, pltpu.roll(mine, one, 1), theirs) for mine, theirs in zip(f, g, strict=True))
+                for f, g in zip(stored, mosaic_io.record_columns(rec_ref, num_buffers + h), strict=True)
+            )
+            bits = reference.entry_bits(
+                stored,
+                records.record_hash(prev, predecessor),
+                prev != 0,  # prev == 0: padding/evicted predecessor, chain unknowable
+                token_v_ref[...] if check_expected_token else None,
+                position_v_ref[...],
+                realkv.fold_loaded(half, slot, mode, mosaic_io.chunk_loader(kv_t_refs[sources], windows[sources])),
+                check_expected_token=check_expected_token,
+            )
+            out_ref[...] = jnp.where(live, bits, 0)
 
 
-def _verify_call(canary_buf, plan, num_active, views, specs, *, mode, check, rows, interpret):
-    """One ``pallas_call`` over ``n`` plan entries (``num_active`` of them active)."""
+def _verify_call(canary_bufs, plan, num_active, views, specs, *, mode, check, rows, interpret):
+    """One ``pallas_call`` over ``n`` plan entries (``num_active`` of them active) of every buffer."""
     slots, tokens, positions, prevs = plan
-    n, block = slots.shape[0], rows * LANES
+    n, block, num_buffers = slots.shape[0], rows * LANES, len(canary_bufs)
     grid = pl.cdiv(n, block)
-    windows = [mosaic_io.kv_window(s, mode) for s in specs]
+    flat_views = [v for half in views for v in half]
+    windows = [mosaic_io.kv_window(s, mode) for half in specs for s in half]
     dense = functools.partial(mosaic_io.lane_dense, num_rows=grid * rows)
     blocked = pl.BlockSpec((rows, LANES), lambda b, *_: (b, 0))
     in_hbm = pl.BlockSpec(memory_space=pl.ANY)
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=3,
         grid=(grid,),
-        in_specs=[blocked] * 4 + [in_hbm] * (1 + len(views)),
-        out_specs=blocked,
+        in_specs=[blocked] * 4 + [in_hbm] * (num_buffers + len(flat_views)),
+        out_specs=[blocked] * num_buffers,
         scratch_shapes=[
-            pltpu.VMEM((rows, LANES, 4, 2), jnp.uint32),  # stored records
-            pltpu.VMEM((rows, LANES, 4, 2), jnp.uint32),  # predecessor records
-            *mosaic_io.kv_scratch(rows, views, windows),
-            pltpu.SemaphoreType.DMA((2 + len(views),)),
+            pltpu.VMEM((rows, LANES, 2 * num_buffers, 4, 2), jnp.uint32),  # per buffer: stored, predecessor
+            *mosaic_io.kv_scratch(rows, flat_views, windows),
+            pltpu.SemaphoreType.DMA((1 + len(flat_views),)),
         ],
     )
     kernel = functools.partial(_verify_kernel, specs=specs, mode=mode, check_expected_token=check)
     bits = compat.mosaic_call(
         kernel,
-        out_shape=jax.ShapeDtypeStruct((grid * rows, LANES), jnp.int32),
+        out_shape=[jax.ShapeDtypeStruct((grid * rows, LANES), jnp.int32)] * num_buffers,
         grid_spec=grid_spec,
         name=f"kvcanary_verify_mosaic_{rows=}",
         dimension_semantics=("parallel",),  # blocks are independent
@@ -135,24 +173,60 @@ def _verify_call(canary_buf, plan, num_active, views, specs, *, mode, check, row
         dense(prevs),
         dense(tokens),
         dense(positions),
-        canary_buf,
-        *views,
+        *canary_bufs,
+        *flat_views,
     )
-    return bits.reshape(-1)[:n]
+    return [b.reshape(-1)[:n] for b in bits]
 
 
-def _forward(canary_buf, plan, num_active, sources, *, mode, check, interpret, config):
-    """The plan in calls of at most ``config.max_entries_per_call`` entries."""
+def verify_bits_of_buffers(
+    canary_bufs: Sequence[jax.Array],
+    slot_indices: jax.Array,
+    expected_tokens: jax.Array,
+    expected_positions: jax.Array,
+    prev_slot_indices: jax.Array,
+    num_active: jax.Array,
+    *,
+    real_kv_sources: Sequence[Sequence[realkv.RealKvSource]],
+    real_kv_hash_mode: int,
+    check_expected_token: bool,
+    interpret: bool = False,
+    config: Config | None = None,
+) -> list[jax.Array]:
+    """``verify_bits`` of one plan against several buffers (a phase's K and V halves) in one launch.
+
+    ``real_kv_sources[h]`` are buffer ``h``'s sources. Returns one i32[capacity] per buffer, each equal to
+    ``verify_bits`` of that buffer alone.
+    """
+    plan = (slot_indices, expected_tokens, expected_positions, prev_slot_indices)
+    capacity = slot_indices.shape[0]
+    if capacity == 0:
+        return [jnp.zeros((0,), jnp.int32) for _ in canary_bufs]
+    halves = [tuple(s) if real_kv_hash_mode != layout.REAL_KV_NONE else () for s in real_kv_sources]
+    return _forward_of_buffers(
+        canary_bufs,
+        plan,
+        num_active,
+        halves,
+        mode=real_kv_hash_mode,
+        check=check_expected_token,
+        interpret=interpret,
+        config=config or heuristic(capacity),
+    )
+
+
+def _forward_of_buffers(canary_bufs, plan, num_active, halves, *, mode, check, interpret, config):
+    """The plan in calls of at most ``config.max_entries_per_call`` entries, each checking every buffer."""
     capacity = plan[0].shape[0]
-    views = [mosaic_io.kv_view(s.data) for s in sources]
-    specs = kernel_io.source_specs(sources)
+    views = [[mosaic_io.kv_view(s.data) for s in half] for half in halves]
+    specs = tuple(kernel_io.source_specs(half) for half in halves)
     active = jnp.clip(jnp.reshape(num_active, ()).astype(jnp.int32), 0, capacity)
     parts = []
     for lo in range(0, capacity, config.max_entries_per_call):  # static split: SMEM holds one part's slot ids
         hi = min(capacity, lo + config.max_entries_per_call)
         parts.append(
             _verify_call(
-                canary_buf,
+                tuple(canary_bufs),
                 [x[lo:hi] for x in plan],
                 jnp.clip(active - lo, 0, hi - lo),
                 views,
@@ -163,7 +237,15 @@ def _forward(canary_buf, plan, num_active, sources, *, mode, check, interpret, c
                 interpret=interpret,
             )
         )
-    return jnp.concatenate(parts) if len(parts) > 1 else parts[0]
+    return [jnp.concatenate(p) if len(p) > 1 else p[0] for p in zip(*parts, strict=True)]
+
+
+def _forward(canary_buf, plan, num_active, sources, *, mode, check, interpret, config):
+    """One buffer's bits: :func:`_forward_of_buffers` of that buffer alone."""
+    (bits,) = _forward_of_buffers(
+        (canary_buf,), plan, num_active, (sources,), mode=mode, check=check, interpret=interpret, config=config
+    )
+    return bits
 
 
 verify_bits = base.entry_point(_forward, heuristic)

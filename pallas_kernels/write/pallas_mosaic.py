@@ -3,9 +3,10 @@
 Two launches, as in ``pallas_triton``:
   * ``kvcanary_write_chain_mosaic``: one grid step per request walks its entries in order on the scalar core
     (``mix3`` is not associative). The token arrays stay in HBM, viewed as ``[windows, 128]``; the walk DMAs each
-    128-entry window it touches into SMEM (128 i32 are 512 bytes, the smallest HBM-to-SMEM DMA), and
-    read-modify-writes the matching windows of its outputs. Windows are shared by neighbouring requests, so the
-    grid is sequential ("arbitrary"). Seeds are hashed before the launch, from the pre-launch buffer.
+    128-entry window it touches into SMEM (128 i32 are 512 bytes, the smallest HBM-to-SMEM DMA), with the
+    matching windows of its outputs. Windows are shared by neighbouring requests, so the grid is sequential
+    ("arbitrary") and the window in SMEM is kept across requests, written back when the walk moves to another.
+    Seeds are hashed before the launch, from the pre-launch buffer.
   * ``kvcanary_write_store_mosaic``: ``rows * 128`` entries per grid step fold their KV windows on
     ``u32[rows, 128]`` vectors and DMA their records into the aliased buffer. Only each slot's last writer
     (``store.last_writer``, a stable sort) stores, so no two DMAs of a launch hit one slot and the bytes are
@@ -60,27 +61,46 @@ def _chain_kernel(
     position_hbm,  # i32[windows, 128] in HBM
     loc_hbm,  # i32[windows, 128] in HBM
     *refs,  # 5 aliased zero inputs, 5 outputs [windows, 128] in HBM (prev_hash lo/hi, expected lo/hi, flags),
-    # 8 SMEM [1, 128] windows (3 inputs, 5 outputs), DMA semaphore[1]
+    # 8 SMEM [1, 128] windows (3 inputs, 5 outputs), SMEM i32[1] (the window held), DMA semaphore[1]
 ):
-    """Walks request ``program_id``'s entries in order; entries of no request keep the aliased zeros."""
-    outs_hbm, smem, sems = refs[5:10], refs[10:18], refs[18]
+    """Walks request ``program_id``'s entries in order; entries of no request keep the aliased zeros.
+
+    The SMEM windows stay loaded across requests (the grid is sequential): a window is written back and the next
+    one loaded only when the walk moves to another window, and the last one after the last request. Neighbouring
+    requests mostly share windows, so a step of short requests moves each window once, not once per request.
+    """
+    outs_hbm, smem, held_s, sems = refs[5:10], refs[10:18], refs[18], refs[19]
     ins = tuple(zip((token_hbm, position_hbm, loc_hbm), smem[:3], strict=True))
     outs = tuple(zip(outs_hbm, smem[3:], strict=True))
     token_s, position_s, loc_s = smem[:3]
     prev_lo_s, prev_hi_s, expected_lo_s, expected_hi_s, flags_s = smem[3:]
     r = pl.program_id(0)
-    start, end, check = start_ref[r], start_ref[r] + count_ref[r], check_ref[r] != 0
+    start = start_ref[r]
+    end = start + count_ref[r]
 
-    def copy(pairs, w, *, to_hbm):
+    def move(pairs, w, *, to_hbm):
         sem = mosaic_io.semaphore(sems, 0)
-        return [
+        copies = [
             pltpu.make_async_copy(s, h.at[pl.ds(w, 1)], sem)
             if to_hbm
             else pltpu.make_async_copy(h.at[pl.ds(w, 1)], s, sem)
             for h, s in pairs
         ]
+        for c in copies:
+            c.start()
+        for c in copies:
+            c.wait()
 
-    def step(k, carry):
+    def write_back(held):
+        @pl.when(held >= 0)
+        def _():
+            move(outs, held, to_hbm=True)
+
+    @pl.when(r == 0)
+    def _init():
+        held_s[0] = jnp.int32(-1)
+
+    def step(k, carry, check):
         h, position_prev = (carry[0], carry[1]), (carry[2], carry[3])
         slot, token, position = loc_s[0, k], token_s[0, k], position_s[0, k]
         live = slot >= 0
@@ -91,25 +111,27 @@ def _chain_kernel(
         h, position_prev = reference.advance(h, position_prev, token, position, live)
         return (*h, *position_prev)
 
-    def window(w, carry):
-        loads = copy(ins + outs, w, to_hbm=False)  # outputs too: the window's other entries must survive
-        for c in loads:
-            c.start()
-        for c in loads:
-            c.wait()
+    def window(w, carry, check):
+        held = held_s[0]
+
+        @pl.when(w != held)
+        def _load():
+            write_back(held)
+            move(ins + outs, w, to_hbm=False)  # outputs too: the window's other entries must survive
+            held_s[0] = w
+
         first = w << _WINDOW_BITS
-        carry = lax.fori_loop(jnp.maximum(start - first, 0), jnp.minimum(end - first, _WINDOW), step, carry)
-        stores = copy(outs, w, to_hbm=True)
-        for c in stores:
-            c.start()
-        for c in stores:
-            c.wait()
-        return carry
+        walk = functools.partial(step, check=check)
+        return lax.fori_loop(jnp.maximum(start - first, 0), jnp.minimum(end - first, _WINDOW), walk, carry)
 
     @pl.when(end > start)
     def _walk():
-        seed = tuple(seed_ref[4 * r + j] for j in range(4))
-        lax.fori_loop(start >> _WINDOW_BITS, ((end - 1) >> _WINDOW_BITS) + 1, window, seed)  # start, end >= 0
+        seed, walk = tuple(seed_ref[4 * r + j] for j in range(4)), functools.partial(window, check=check_ref[r] != 0)
+        lax.fori_loop(start >> _WINDOW_BITS, ((end - 1) >> _WINDOW_BITS) + 1, walk, seed)  # start, end >= 0
+
+    @pl.when(r == pl.num_programs(0) - 1)
+    def _last():
+        write_back(held_s[0])
 
 
 def _walk(start, count, seed_hash, seed_position, check, input_ids, positions, out_cache_loc, *, interpret):
@@ -128,6 +150,7 @@ def _walk(start, count, seed_hash, seed_position, check, input_ids, positions, o
         scratch_shapes=[
             *(pltpu.SMEM((1, _WINDOW), jnp.int32) for _ in range(3)),
             *(pltpu.SMEM((1, _WINDOW), z.dtype) for z in zeros),
+            pltpu.SMEM((1,), jnp.int32),
             pltpu.SemaphoreType.DMA((1,)),
         ],
     )
@@ -168,6 +191,7 @@ def _store_kernel(
     base = pl.program_id(0) * (rows * LANES)
     count = jnp.clip(loc_ref.shape[0] - base, 0, rows * LANES)
     stored = lambda e: store_ref[base + e] != 0  # noqa: E731
+    rec_sem, kv_sems = mosaic_io.semaphore(sems, 0), [mosaic_io.semaphore(sems, 1 + i) for i in range(num_sources)]
 
     if num_sources:  # only stored entries fold: the others' (stale) columns are never written out
         mosaic_io.gather(
@@ -175,10 +199,9 @@ def _store_kernel(
             lambda e: [
                 copy
                 for i in range(num_sources)
-                for copy in mosaic_io.kv_copies(
-                    kv_hbm[i], windows[i], loc_ref[base + e], kv_refs[i], e, mosaic_io.semaphore(sems, 1 + i)
-                )
+                for copy in mosaic_io.kv_copies(kv_hbm[i], windows[i], loc_ref[base + e], kv_refs[i], e, kv_sems[i])
             ],
+            lambda e: [mosaic_io.row_wait(kv_refs[i], e, kv_sems[i]) for i in range(num_sources)],
             when=stored,
         )
         for kv_ref, kv_t_ref in zip(kv_refs, kv_t_refs, strict=True):
@@ -193,9 +216,8 @@ def _store_kernel(
     mosaic_io.store_record_columns(rec_ref, record)
     mosaic_io.gather(
         count,
-        lambda e: [
-            mosaic_io.record_copy(buf_hbm, loc_ref[base + e], rec_ref, e, mosaic_io.semaphore(sems, 0), to_hbm=True)
-        ],
+        lambda e: [mosaic_io.record_copy(buf_hbm, loc_ref[base + e], rec_ref, e, rec_sem, to_hbm=True)],
+        lambda e: [mosaic_io.record_copy(buf_hbm, jnp.int32(0), rec_ref, e, rec_sem, to_hbm=True)],  # any slot
         when=stored,
     )
 

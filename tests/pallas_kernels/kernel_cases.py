@@ -120,13 +120,15 @@ def random_buffer(rng, num_slots: int):
     return jnp.asarray(rng.integers(0, 2**32, (num_slots, 4, 2), dtype=np.uint32))
 
 
-def verify_inputs(rng, *, num_slots: int, num_reqs: int, max_len: int, sources, mode: int, capacity_slack: int = 5):
+def verify_inputs(
+    rng, *, num_slots: int, num_reqs: int, max_len: int, sources, mode: int, capacity_slack: int = 5, shuffle=True
+):
     """(canary_buf, sources, plan arrays, num_active) of chains written by the xla path, then tampered with.
 
-    Returns the buffer after a clean xla write, KV sources with some slots' bytes changed afterwards, and a
-    shuffled plan whose entries are partly wrong (expected position, predecessor, expected token) or special
-    (slot 0, prev 0 / -1, out-of-range slots), followed by garbage entries past ``num_active`` up to a fixed
-    capacity of ``num_reqs * max_len + capacity_slack``.
+    Returns the buffer after a clean xla write, KV sources with some slots' bytes changed afterwards, and a plan
+    (shuffled, or in chain order) whose entries are partly wrong (expected position, predecessor, expected token)
+    or special (slot 0, prev 0 / -1, out-of-range slots), followed by garbage entries past ``num_active`` up to a
+    fixed capacity of ``num_reqs * max_len + capacity_slack``.
     """
     offsets, seeds, num_valid, ids, positions, loc = write_inputs(
         rng, num_slots=num_slots, num_reqs=num_reqs, max_len=max_len, extra_tokens=0, clean=True
@@ -170,7 +172,7 @@ def verify_inputs(rng, *, num_slots: int, num_reqs: int, max_len: int, sources, 
     field = np.arange(tampered.shape[0]) % 4  # every field: token, position, prev hash, real-KV hash
     records[tampered, field, rng.integers(0, 2, tampered.shape[0])] ^= np.uint32(1 << 7)
     sources = corrupt_sources(rng, sources, rng.choice(loc, max(1, n // 40), replace=False))
-    order = rng.permutation(n)
+    order = rng.permutation(n) if shuffle else np.arange(n)
     garbage = lambda lo, hi: rng.integers(lo, hi, num_reqs * max_len + capacity_slack - n)  # noqa: E731
     plan = [
         np.concatenate([x[order], garbage(lo, hi)]).astype(np.int32)

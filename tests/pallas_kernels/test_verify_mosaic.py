@@ -71,6 +71,21 @@ def test_four_sources_over_blocks_and_calls():
     assert seen == 1 | 2 | 4 | 32, f"the case should exercise every bit; saw {seen:#x}"
 
 
+def test_chained_plan_reads_predecessors_from_the_previous_lane():
+    """A plan in chain order: a predecessor that is the previous entry's slot is taken from the previous lane, not
+    fetched; first entries, wrong or zero predecessors and a row's lane 0 (a chain crossing rows) are fetched."""
+    rng = np.random.default_rng(5)
+    sources = cases.make_sources(rng, 2 * NUM_SLOTS, SOURCES["bf16_p4"])
+    buf, kv, plan, n = cases.verify_inputs(
+        rng, num_slots=2 * NUM_SLOTS, num_reqs=12, max_len=24, sources=sources, mode=1, shuffle=False
+    )
+    slots, prevs = np.asarray(plan[0])[:n], np.asarray(plan[3])[:n]
+    chained = np.flatnonzero(prevs[1:] == slots[:-1]) + 1
+    assert n > 128 and 128 in chained and len(chained) > n // 2, (n, chained)
+    bits = _assert_same(buf, plan, n, kv, mode=1, check=True, config=pallas_mosaic.Config(rows=2))
+    assert bits[chained].any() and not bits[chained].all()
+
+
 def test_empty_plan():
     empty = [jnp.zeros((0,), jnp.int32)] * 4
     _assert_same(jnp.zeros((8, 4, 2), jnp.uint32), empty, jnp.int32(0), (), mode=0, check=False)
