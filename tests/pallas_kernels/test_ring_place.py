@@ -27,7 +27,8 @@ def test_place_flagged_is_place_of_the_compacted_rows(start):
         (hits,) = np.nonzero(f)
         packed = np.zeros((capacity, 8, 2), np.uint32)
         packed_ctx = np.zeros((capacity, 3), np.int32)
-        packed[: min(len(hits), capacity)], packed_ctx[: min(len(hits), capacity)] = r[hits][:capacity], c[hits][:capacity]
+        kept = min(len(hits), capacity)
+        packed[:kept], packed_ctx[:kept] = r[hits][:kept], c[hits][:kept]
         pending.append((jnp.int32(len(hits)), jnp.asarray(packed), jnp.asarray(packed_ctx)))
     want = ring.place(old_ring, old_ctx, index, pending)
 
