@@ -33,23 +33,28 @@ def leading(f: Callable[[jax.Array], jax.Array], xs: jax.Array, count: jax.Array
     A fixed-capacity list (a verify plan of thousands of entries) is mostly empty in a step: ``f`` runs on blocks
     of ``block`` entries, one loop step per block up to the block holding entry ``count - 1``, so its cost follows
     the traced count, not the capacity. ``f`` maps i32[block] to an array with leading axis ``block``, element-wise
-    along it; the result has leading axis ``n``. It is computed once (a loop's output), whoever reads it. Off CPU
-    (where each loop step copies its predicate to the host) ``f`` runs once on all of ``xs``.
+    along it; the result has leading axis ``n``. It is computed once (a loop's output), whoever reads it. Lowered
+    for another platform than CPU (where each loop step would copy its predicate to the host, or a TPU export
+    would hold a loop), ``f`` runs once on all of ``xs`` (``lax.platform_dependent``).
     """
     n = xs.shape[0]
-    if jax.default_backend() != "cpu" or n <= block:
+    if n <= block:
         return f(xs)
     num_blocks = -(-n // block)
-    padded = jnp.pad(xs, (0, num_blocks * block - n))
-    out_type = jax.eval_shape(f, padded[:block])
-    out = jnp.zeros((num_blocks * block, *out_type.shape[1:]), out_type.dtype)
 
-    def step(k, out):
-        start = k * block
-        return lax.dynamic_update_slice_in_dim(out, f(lax.dynamic_slice_in_dim(padded, start, block)), start, 0)
+    def looped(xs, count):
+        padded = jnp.pad(xs, (0, num_blocks * block - n))
+        out_type = jax.eval_shape(f, padded[:block])
+        out = jnp.zeros((num_blocks * block, *out_type.shape[1:]), out_type.dtype)
 
-    steps = jnp.clip((count + block - 1) // block, 0, num_blocks).astype(jnp.int32)
-    return lax.fori_loop(jnp.int32(0), steps, step, out)[:n]
+        def step(k, out):
+            start = k * block
+            return lax.dynamic_update_slice_in_dim(out, f(lax.dynamic_slice_in_dim(padded, start, block)), start, 0)
+
+        steps = jnp.clip((count + block - 1) // block, 0, num_blocks).astype(jnp.int32)
+        return lax.fori_loop(jnp.int32(0), steps, step, out)[:n]
+
+    return lax.platform_dependent(xs, count, cpu=looped, default=lambda xs, _: f(xs))
 
 
 def zero_after(x: jax.Array) -> jax.Array:

@@ -61,7 +61,7 @@ def place_flagged(
     rows are its flagged candidates. The same bytes, with one compaction for every launch.
 
     The rows are built, compacted and placed only when the ring takes some: on CPU and TPU behind a conditional,
-    so a step with no violation (or a full ring) does none of that work. Returns ``(ring, context, write_index)``.
+    so a step with no violation (or a full ring) does none of that work (on GPU, always). Returns ``(ring, context, write_index)``.
     """
     capacity, start = ring.shape[0], write_index[0]
     total = jnp.sum(flags, dtype=jnp.int32)  # place's per-launch saturating sums add up to the same index
@@ -78,10 +78,11 @@ def place_flagged(
             context = jnp.where(fresh[:, None], row_ctx[at], context)
         return ring, context
 
-    if jax.default_backend() == "gpu":  # XLA:GPU copies a conditional's predicate to the host
-        ring, context = emit(ring, context)
-    else:
-        ring, context = lax.cond((total > 0) & (start < capacity), emit, lambda *x: x, ring, context)
+    def when_placed(ring, context):
+        return lax.cond((total > 0) & (start < capacity), emit, lambda *x: x, ring, context)
+
+    # Chosen by the platform lowered for: XLA:GPU would copy the conditional's predicate to the host.
+    ring, context = lax.platform_dependent(ring, context, cpu=when_placed, tpu=when_placed, default=emit)
     index = start + jnp.minimum(total, _INT32_MAX - start)
     return ring, context, index.reshape(1).astype(jnp.int32)
 
