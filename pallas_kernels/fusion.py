@@ -1,6 +1,9 @@
-"""Computing a value once under XLA's fusion: a boundary XLA:CPU keeps, for values several fusions read."""
+"""Shaping XLA's work on CPU: a value computed once for several readers, work that follows a traced count rather
+than an array's static capacity, and a traced zero that orders an in-place store after a read."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -21,3 +24,45 @@ def computed_once(x: jax.Array, index: jax.Array) -> jax.Array:
     buf = jnp.zeros((x.shape[0] + 1, *x.shape[1:]), x.dtype)
     buf = lax.dynamic_update_slice_in_dim(buf, x, zero, 0)
     return lax.dynamic_slice_in_dim(buf, zero, x.shape[0], 0)
+
+
+def leading(f: Callable[[jax.Array], jax.Array], xs: jax.Array, count: jax.Array, block: int) -> jax.Array:
+    """``f(xs)`` for the first ``count`` entries of ``xs`` (i32[n]); past them, entries hold ``f``'s values or
+    zeros (an ``f`` that gives 0 past ``count`` gives exact zeros).
+
+    A fixed-capacity list (a verify plan of thousands of entries) is mostly empty in a step: ``f`` runs on blocks
+    of ``block`` entries, one loop step per block up to the block holding entry ``count - 1``, so its cost follows
+    the traced count, not the capacity. ``f`` maps i32[block] to an array with leading axis ``block``, element-wise
+    along it; the result has leading axis ``n``. It is computed once (a loop's output), whoever reads it. Lowered
+    for another platform than CPU (where each loop step would copy its predicate to the host, or a TPU export
+    would hold a loop), ``f`` runs once on all of ``xs`` (``lax.platform_dependent``).
+    """
+    n = xs.shape[0]
+    if n <= block:
+        return f(xs)
+    num_blocks = -(-n // block)
+
+    def looped(xs, count):
+        padded = jnp.pad(xs, (0, num_blocks * block - n))
+        out_type = jax.eval_shape(f, padded[:block])
+        out = jnp.zeros((num_blocks * block, *out_type.shape[1:]), out_type.dtype)
+
+        def step(k, out):
+            start = k * block
+            return lax.dynamic_update_slice_in_dim(out, f(lax.dynamic_slice_in_dim(padded, start, block)), start, 0)
+
+        steps = jnp.clip((count + block - 1) // block, 0, num_blocks).astype(jnp.int32)
+        return lax.fori_loop(jnp.int32(0), steps, step, out)[:n]
+
+    return lax.platform_dependent(xs, count, cpu=looped, default=lambda xs, _: f(xs))
+
+
+def zero_after(x: jax.Array) -> jax.Array:
+    """A traced int32 zero that depends on ``x``'s first element (any 32-bit dtype).
+
+    Added to the slots of an in-place store, it orders the store after ``x`` is computed (e.g. records gathered
+    from the buffer it overwrites), so XLA neither schedules the store first nor copies the whole buffer to keep its
+    old bytes. XLA cannot fold the masked shift to a constant.
+    """
+    word = lax.bitcast_convert_type(x.reshape(-1)[0], jnp.uint32) & jnp.uint32(0x7FFFFFFF)
+    return lax.shift_right_logical(word, jnp.uint32(31)).astype(jnp.int32)

@@ -17,7 +17,11 @@ def clamp_slots(slots: jax.Array, num_slots: int) -> jax.Array:
 
 def load(canary_buf: jax.Array, slots: jax.Array) -> Record:
     """Gathers the records of ``slots`` (any shape) from ``u32[num_slots, 4, 2]``."""
-    rec = canary_buf[clamp_slots(slots, canary_buf.shape[0])]
+    return fields(canary_buf[clamp_slots(slots, canary_buf.shape[0])])
+
+
+def fields(rec: jax.Array) -> Record:
+    """The four u64 fields of records already gathered, ``u32[..., 4, 2]``."""
     return tuple(hash64.split(rec[..., f, :]) for f in range(layout.CANARY_FIELDS_PER_SLOT))
 
 

@@ -7,6 +7,8 @@ single ops in ``kvcanary_jax.core`` place theirs with it too, so the bytes agree
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -45,6 +47,44 @@ def place(ring: jax.Array, context, write_index: jax.Array, pending):
             context = jnp.where(fresh[:, None], row_ctx[at], context)
         start = start + jnp.minimum(count, _INT32_MAX - start)
     return ring, context, start.reshape(1).astype(jnp.int32)
+
+
+def place_flagged(
+    ring: jax.Array,
+    context,
+    write_index: jax.Array,
+    flags: jax.Array,
+    candidates: Callable[[], tuple[jax.Array, jax.Array]],
+):
+    """:func:`place` of launches given by their candidates: ``flags`` bool[n] (every launch's in order, the
+    launches in ring order) and ``candidates()`` -> ``(rows u32[n, 8, 2], context i32[n, 3])`` of each; a launch's
+    rows are its flagged candidates. The same bytes, with one compaction for every launch.
+
+    The rows are built, compacted and placed only when the ring takes some: on CPU and TPU behind a conditional,
+    so a step with no violation (or a full ring) does none of that work (on GPU, always). Returns ``(ring, context, write_index)``.
+    """
+    capacity, start = ring.shape[0], write_index[0]
+    total = jnp.sum(flags, dtype=jnp.int32)  # place's per-launch saturating sums add up to the same index
+
+    def emit(ring, context):
+        size = min(capacity, flags.shape[0])
+        order = jnp.arange(flags.shape[0], dtype=jnp.int32)
+        _, entries = lax.sort((jnp.where(flags, 0, 1).astype(jnp.int32), order), num_keys=1, is_stable=True)
+        rows, row_ctx = candidates()
+        k = jnp.arange(capacity, dtype=jnp.int32) - start  # ring row start + k holds the k-th flagged candidate
+        fresh, at = (k >= 0) & (k < total), entries[jnp.clip(k, 0, size - 1)]
+        ring = jnp.where(fresh[:, None, None], rows[at], ring)
+        if context is not None:
+            context = jnp.where(fresh[:, None], row_ctx[at], context)
+        return ring, context
+
+    def when_placed(ring, context):
+        return lax.cond((total > 0) & (start < capacity), emit, lambda *x: x, ring, context)
+
+    # Chosen by the platform lowered for: XLA:GPU would copy the conditional's predicate to the host.
+    ring, context = lax.platform_dependent(ring, context, cpu=when_placed, tpu=when_placed, default=emit)
+    index = start + jnp.minimum(total, _INT32_MAX - start)
+    return ring, context, index.reshape(1).astype(jnp.int32)
 
 
 def bump(counters: jax.Array, increments: dict[int, jax.Array]) -> jax.Array:

@@ -20,7 +20,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import layout, prefix
+from pallas_kernels import fusion, layout, prefix
 from pallas_kernels.phase import common as phase_common
 
 PADDINGS = ("negative", "reserved", "none")
@@ -220,10 +220,12 @@ def check(
             request=request,
         )
     )
+    # The roles are read by every launch of the step: computed once, not in each reader's fusion.
+    roles = fusion.computed_once(jnp.stack([active.astype(jnp.int32), spans, span_starts]), rpi[0])
     return Checked(
-        active=active.astype(jnp.int32),
-        span_lens=spans,
-        span_starts=span_starts,
+        active=roles[0],
+        span_lens=roles[1],
+        span_starts=roles[2],
         token_rows=token_rows,
         issues=jnp.concatenate(columns, axis=1),
     )

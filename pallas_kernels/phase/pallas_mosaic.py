@@ -4,7 +4,7 @@ write kernels.
 TPU has Mosaic kernels for the single verify and write launches, so a phase is the reference's (``reference.phase``)
 with each half's verify bits and its chain walk and store taken from those kernels: the plan, the skipped tokens
 and the ``INVALID_INPUT`` rows are :func:`reference.prepare`'s, the rows are read from the buffers before the
-stores (:func:`reference.verify_rows`, ordered by :func:`reference.after`), and :func:`reference.finish` places
+stores (:func:`reference.verify_rows`, ordered by :func:`reference.loaded_after`), and :func:`reference.finish` places
 every row in one ring update and bumps the counters. The bytes are the reference's.
 """
 
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from pallas_kernels import ring
+from pallas_kernels import fusion
 from pallas_kernels.phase import reference
 from pallas_kernels.verify import pallas_mosaic as verify_kernels
 from pallas_kernels.write import pallas_mosaic as write_kernels
@@ -49,7 +49,7 @@ def phase(
             num_reqs,
             p.batch.input_ids,
             p.batch.positions,
-            p.loc + ring.after(verify[1]),  # the store waits for the verify rows read from this buffer
+            p.loc + reference.loaded_after(loaded) + fusion.zero_after(bits),  # after the reads of this buffer
             enable_chain_position_assert,
             real_kv_sources=sources,
             real_kv_hash_mode=spec.real_kv_hash_mode,

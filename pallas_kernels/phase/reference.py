@@ -12,7 +12,7 @@ references; the Triton kernels of ``pallas_triton`` must give the same bytes.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import jax
@@ -102,12 +102,6 @@ def build_plan(
     )
 
 
-def first_flagged(flags: jax.Array, capacity: int) -> tuple[jax.Array, jax.Array]:
-    """(count i32[], entries i32[capacity]): how many flags are set, and the first ``capacity`` of them in order."""
-    (entries,) = jnp.nonzero(flags, size=capacity, fill_value=0)
-    return jnp.sum(flags, dtype=jnp.int32), entries.astype(jnp.int32)
-
-
 def _table_rows(batch: common.Batch, plan: Plan, entries, tag: int, group_slots: int):
     """(rows, context) of the ``INVALID_INPUT`` rows of table-issue ``entries``."""
     batch_row, position = plan.entry_rows[entries], plan.positions[entries]
@@ -146,25 +140,20 @@ def skip_rejected_requests(
     return jnp.where(covered & (batch.active[row] != 0) & (rejects[row] == 0), loc, -1)
 
 
-def _verify_rows(batch: common.Batch, plan: Plan, loaded: Loaded, bits, entries, tag: int, check: bool):
-    """(rows, context) of verify flag ``entries``, from one half's loaded plan entries."""
-    at = lambda u: (u[0][entries], u[1][entries])  # noqa: E731
-    slot, prev = plan.slot_indices[entries], plan.prev_slot_indices[entries]
-    token = plan.expected_tokens[entries] if check else jnp.full_like(entries, -1)
-    stored = tuple(at(field) for field in loaded.stored)
-    fields = common.verify_row(tag, slot, prev, stored, at(loaded.expected_chain), token, bits[entries])
-    batch_row = plan.entry_rows[entries]
-    context = ring.row_context(batch.req_pool_indices[batch_row], plan.expected_positions[entries], batch_row)
-    return ring.pack_row(fields), context
-
-
 class Loaded(NamedTuple):
-    """What the phase reads of the canary buffers before its writes, per half stacked on a leading axis (K, V)."""
+    """What the phase reads of the canary buffers before its writes, per half stacked on a leading axis (K, V).
+
+    Each value is computed once (materialised) for its readers; past the plan's ``active`` entries
+    ``expected_chain`` holds unspecified values (no reader looks there)."""
 
     stored: records.Record  # the verify plan entries' records, u64 [halves, capacity]
     expected_chain: hash64.U64  # H(prev) of each entry, u64 [halves, capacity]
     seed_hash: hash64.U64  # H(seed slot) of each request's write chain, u64 [halves, R]
     seed_position: hash64.U64  # the seed slots' stored positions, u64 [halves, R]
+
+
+# Plan entries hashed (or folded) per loop step on CPU: the loop walks the listed entries only (fusion.leading).
+_BLOCK = 64
 
 
 def stack_halves(trees):
@@ -178,17 +167,30 @@ def half(tree, h: int):
 
 
 def load_halves(buffers: Sequence[jax.Array], plan: Plan) -> Loaded:
-    """Reads every canary record the phase needs before its writes, and hashes the verify entries' predecessors
-    and the write chains' seeds of all halves in one ``mix3`` pass over the stacked records."""
-    stored = stack_halves([records.load(buf, plan.slot_indices) for buf in buffers])
-    hashed = jnp.concatenate([plan.prev_slot_indices, plan.seed_slot_indices])
-    hashed_records = stack_halves([records.load(buf, hashed) for buf in buffers])
-    hashes = hash64.join(records.record_hash(hashed, hashed_records))
-    # Read by the bits, each half's rows and the chain walk: computed once, not once per reader.
-    hashes = fusion.computed_once(hashes, plan.active)
-    capacity = plan.slot_indices.shape[0]
-    seed_position = tuple(word[:, capacity:] for word in hashed_records[1])
-    return Loaded(stored, hash64.split(hashes[:, :capacity]), hash64.split(hashes[:, capacity:]), seed_position)
+    """Reads every canary record the phase needs before its writes, and hashes the write chains' seeds and the
+    listed verify entries' predecessors of all halves in one ``mix3`` pass (a loop over the listed entries only)."""
+    stored = jnp.stack([buf[records.clamp_slots(plan.slot_indices, buf.shape[0])] for buf in buffers])
+    stored = fusion.computed_once(stored, plan.active)  # read by the bits and the rows: gathered once
+    num_reqs = plan.seed_slot_indices.shape[0]
+
+    def hash_block(slots):  # i32[B] -> u32[B, halves, 2]
+        loaded = stack_halves([records.load(buf, slots) for buf in buffers])
+        return jnp.moveaxis(hash64.join(records.record_hash(slots, loaded)), 1, 0)
+
+    hashed = jnp.concatenate([plan.seed_slot_indices, plan.prev_slot_indices])
+    hashes = jnp.moveaxis(fusion.leading(hash_block, hashed, num_reqs + plan.active, _BLOCK), 0, 1)
+    seed_position = stack_halves([records.load(buf, plan.seed_slot_indices)[1] for buf in buffers])
+    return Loaded(
+        records.fields(stored),
+        hash64.split(hashes[:, num_reqs:]),
+        hash64.split(hashes[:, :num_reqs]),
+        seed_position,
+    )
+
+
+def loaded_after(loaded: Loaded) -> jax.Array:
+    """A traced int32 zero that orders a store after the phase's reads (:func:`fusion.zero_after`)."""
+    return fusion.zero_after(loaded.stored[0][0]) + fusion.zero_after(loaded.expected_chain[0])
 
 
 def write_input_bits(batch: common.Batch, written: jax.Array) -> jax.Array:
@@ -203,13 +205,45 @@ def write_input_bits(batch: common.Batch, written: jax.Array) -> jax.Array:
 
 def fold_halves(real_kv_sources, plan: Plan, loc: jax.Array, mode: int, group_slots: int):
     """(verify, write): each half's REAL_KV_HASH of the verify plan's slots and of the written slots, u64
-    [halves, capacity] and [halves, T]. One fold per half over both slot lists, computed once for its two readers
-    (the verify bits and the store)."""
-    slots = records.clamp_slots(jnp.concatenate([plan.slot_indices, loc]), group_slots)
-    folds = stack_halves([hash64.join(realkv.fold_slots(sources, slots, mode)) for sources in real_kv_sources])
-    folds = fusion.computed_once(folds, plan.active)
-    capacity = plan.slot_indices.shape[0]
-    return hash64.split(folds[:, :capacity]), hash64.split(folds[:, capacity:])
+    [halves, capacity] and [halves, T]. One fold per half over both slot lists (a loop over the written and the
+    listed entries only, computed once for its two readers, the verify bits and the store); past the plan's
+    ``active`` entries the verify folds hold unspecified values."""
+    num_tokens, capacity = loc.shape[0], plan.slot_indices.shape[0]
+    if mode == layout.REAL_KV_NONE or not any(real_kv_sources):
+        zero = jnp.zeros((len(real_kv_sources), capacity + num_tokens), jnp.uint32)
+        folds = (zero, zero)
+    else:
+
+        def fold_block(slots):  # i32[B] -> u32[B, halves, 2]
+            return jnp.stack([hash64.join(realkv.fold_slots(sources, slots, mode)) for sources in real_kv_sources], 1)
+
+        slots = records.clamp_slots(jnp.concatenate([loc, plan.slot_indices]), group_slots)
+        folds = hash64.split(jnp.moveaxis(fusion.leading(fold_block, slots, num_tokens + plan.active, _BLOCK), 0, 1))
+    return tuple(f[:, num_tokens:] for f in folds), tuple(f[:, :num_tokens] for f in folds)
+
+
+def verify_bits(loaded: Loaded, real_kv: hash64.U64, plan: Plan, *, check_expected_token: bool) -> jax.Array:
+    """i32[halves, capacity] each half's verify bits of the plan's entries (0 past its ``active`` ones): a loop
+    over the listed entries only, computed once for the row count and the rows."""
+
+    def bits_block(t):  # i32[B] plan entries -> i32[B, halves]
+        at = lambda u: (u[0][:, t], u[1][:, t])  # noqa: E731
+        bits = verify_reference.loaded_bits(
+            tuple(at(field) for field in loaded.stored),
+            at(loaded.expected_chain),
+            at(real_kv),
+            plan.slot_indices[t],
+            plan.expected_tokens[t],
+            plan.expected_positions[t],
+            plan.prev_slot_indices[t],
+            plan.active,
+            check_expected_token=check_expected_token,
+            entries=t,
+        )
+        return bits.T
+
+    entries = jnp.arange(plan.slot_indices.shape[0], dtype=jnp.int32)
+    return fusion.leading(bits_block, entries, plan.active, _BLOCK).T
 
 
 def walk_halves(loaded: Loaded, plan: Plan, batch: common.Batch, loc, enable_chain_position_assert):
@@ -229,21 +263,60 @@ def walk_halves(loaded: Loaded, plan: Plan, batch: common.Batch, loc, enable_cha
     )
 
 
-def _write_rows(batch: common.Batch, plan: Plan, loc, chain, input_bits, entries, tag: int):
-    """(rows, context) of flag ``entries`` of ``[T, 2]`` flags (input-assert row, then chain-position row, per
-    token)."""
-    i, is_chain_row = entries // 2, entries % 2 == 1
-    token, position = batch.input_ids[i], batch.positions[i]
-    expected_token, input_aux = token, hash64.from_i32(position)
-    if batch.expected_input_ids is not None:
-        expected_token = jnp.where(is_chain_row, token, batch.expected_input_ids[i])
-        input_aux = hash64.from_i32(batch.expected_positions[i])
-    aux = hash64.where(is_chain_row, hash64.split(chain.expected_position[i]), input_aux)
-    bits = jnp.where(is_chain_row, layout.FAIL_WRITE_POSITION, input_bits[i])
-    prev_hash = hash64.split(chain.prev_hash[i])
-    rows = ring.pack_row(common.write_row(tag, loc[i], position, token, expected_token, prev_hash, aux, bits))
-    batch_row = common.token_row(plan.write_offsets, i)
-    return rows, ring.row_context(batch.req_pool_indices[batch_row], lax.bitcast_convert_type(aux[0], jnp.int32), i)
+class RowSet(NamedTuple):
+    """The candidate rows of one kind of ``m`` launches: ``flags`` bool[m, n], each launch's candidates in order,
+    and ``build(launch, entry)`` (i32 arrays of one shape) -> ``(rows u32[..., 8, 2], context i32[..., 3])`` of
+    any of them. A phase's rows are built only when the ring takes some (:func:`finish`)."""
+
+    flags: jax.Array
+    build: Callable[[jax.Array, jax.Array], tuple[jax.Array, jax.Array]]
+
+
+def _tagged(rows: jax.Array, tags: Sequence[int], launch: jax.Array) -> jax.Array:
+    """``rows`` (built with tag 0) with each row's launch tag, ``tags[launch]`` (a tag's high word is 0)."""
+    return rows.at[..., layout.ROW_LAUNCH_TAG, 0].set(jnp.asarray(tags, jnp.uint32)[launch])
+
+
+def _verify_set(p: Prepared, loaded: Loaded, bits: jax.Array, tags: Sequence[int], check: bool) -> RowSet:
+    """The verify rows of each half (``loaded`` and ``bits`` i32[halves, capacity] stacked, one tag per half)."""
+    batch, plan = p.batch, p.plan
+
+    def build(launch, entries):
+        at = lambda u: (u[0][launch, entries], u[1][launch, entries])  # noqa: E731
+        slot, prev = plan.slot_indices[entries], plan.prev_slot_indices[entries]
+        token = plan.expected_tokens[entries] if check else jnp.full_like(entries, -1)
+        stored = tuple(at(field) for field in loaded.stored)
+        fields = common.verify_row(0, slot, prev, stored, at(loaded.expected_chain), token, bits[launch, entries])
+        batch_row = plan.entry_rows[entries]
+        context = ring.row_context(batch.req_pool_indices[batch_row], plan.expected_positions[entries], batch_row)
+        return _tagged(ring.pack_row(fields), tags, launch), context
+
+    return RowSet(bits != 0, build)
+
+
+def _write_set(p: Prepared, chain: write_reference.ChainOut, tags: Sequence[int]) -> RowSet:
+    """The write rows of each half's chain walk (``chain`` stacked on a leading half axis, one tag per half):
+    per token an input-assert row, then a chain-position row."""
+    batch, loc = p.batch, p.loc
+    input_bits = write_input_bits(batch, chain.written)
+    flags = jnp.stack([input_bits != 0, chain.position_assert_failed], axis=-1).reshape(len(tags), -1)
+
+    def build(launch, entries):
+        i, is_chain_row = entries // 2, entries % 2 == 1
+        token, position = batch.input_ids[i], batch.positions[i]
+        expected_token, input_aux = token, hash64.from_i32(position)
+        if batch.expected_input_ids is not None:
+            expected_token = jnp.where(is_chain_row, token, batch.expected_input_ids[i])
+            input_aux = hash64.from_i32(batch.expected_positions[i])
+        aux = hash64.where(is_chain_row, hash64.split(chain.expected_position[launch, i]), input_aux)
+        bits = jnp.where(is_chain_row, layout.FAIL_WRITE_POSITION, input_bits[launch, i])
+        prev_hash = hash64.split(chain.prev_hash[launch, i])
+        rows = ring.pack_row(common.write_row(0, loc[i], position, token, expected_token, prev_hash, aux, bits))
+        batch_row = common.token_row(p.plan.write_offsets, i)
+        aux_i32 = lax.bitcast_convert_type(aux[0], jnp.int32)
+        return _tagged(rows, tags, launch), ring.row_context(batch.req_pool_indices[batch_row], aux_i32, i)
+
+    return RowSet(flags, build)
 
 
 class Prepared(NamedTuple):
@@ -252,7 +325,7 @@ class Prepared(NamedTuple):
     batch: common.Batch  # padded to one token at least, with its rows' roles
     plan: Plan
     loc: jax.Array  # i32[T] each token's slot in the group; -1 where it is skipped
-    pending: list  # the INVALID_INPUT rows, ``(count, rows, context)`` per set, placed before the launches'
+    pending: list  # the INVALID_INPUT rows, ``(RowSet, launch)`` per set, placed before the launches'
 
 
 def prepare(
@@ -281,38 +354,52 @@ def prepare(
             batch, plan.write_offsets, gather_lut, lut_size, full_slots=full_slots, group_slots=group_slots
         )
     loc = common.write_slots(loc, gather_lut, lut_size, group_slots)
-    capacity, pending = log.ring.shape[0], []
+    tag, pending = spec.tags[0], []
     if input_issues is not None:
-        count, entries = first_flagged(input_issues[0] != 0, capacity)
-        pending.append((count, *_input_issue_rows(input_issues, entries, spec.tags[0])))
+        build = lambda _, entries: _input_issue_rows(input_issues, entries, tag)  # noqa: E731
+        pending.append((RowSet((input_issues[0] != 0)[None], build), 0))
     if spec.check_table:
-        count, entries = first_flagged(plan.table_problems != 0, capacity)
-        pending.append((count, *_table_rows(batch, plan, entries, spec.tags[0], group_slots)))
+        build = lambda _, entries: _table_rows(batch, plan, entries, tag, group_slots)  # noqa: E731
+        pending.append((RowSet((plan.table_problems != 0)[None], build), 0))
     return Prepared(batch, plan, loc, pending)
 
 
 def verify_rows(p: Prepared, loaded: Loaded, bits: jax.Array, tag: int, check: bool, capacity: int):
-    """``(count, rows, context)`` of one half's verify launch, from its ``loaded`` records and fail ``bits``;
-    materialised behind a barrier, so that XLA does not fuse the row gathers into the ring update, after the
-    store."""
-    count, entries = first_flagged(bits != 0, capacity)
-    return lax.optimization_barrier((count, *_verify_rows(p.batch, p.plan, loaded, bits, entries, tag, check)))
+    """The pending verify launch ``(RowSet, 0)`` of one half, from its ``loaded`` records and fail ``bits``
+    (``capacity``, the ring's, is :func:`finish`'s to apply)."""
+    del capacity
+    return _verify_set(p, stack_halves([loaded]), bits[None], (tag,), check), 0
 
 
 def write_rows(p: Prepared, chain: write_reference.ChainOut, tag: int, capacity: int):
-    """``(count, rows, context)`` of one half's write launch, from its chain walk."""
-    input_bits = write_input_bits(p.batch, chain.written)
-    flags = jnp.stack([input_bits != 0, chain.position_assert_failed], axis=-1).reshape(-1)
-    count, entries = first_flagged(flags, capacity)
-    return (count, *_write_rows(p.batch, p.plan, p.loc, chain, input_bits, entries, tag))
+    """The pending write launch ``(RowSet, 0)`` of one half, from its chain walk."""
+    del capacity
+    return _write_set(p, stack_halves([chain]), (tag,)), 0
+
+
+def _place(log: common.Log, pending: list) -> tuple[jax.Array, jax.Array | None, jax.Array]:
+    """``ring.place`` of the pending launches' rows (``ring.place_flagged``), each kind's rows built once for all
+    its launches."""
+
+    def candidates():  # every pending launch's candidate rows, in ring order
+        tables = {}
+        for rows, _ in pending:
+            if id(rows) not in tables:
+                launch, entry = jnp.indices(rows.flags.shape, jnp.int32)
+                tables[id(rows)] = rows.build(launch, entry)
+        table = [jax.tree.map(lambda x, j=j: x[j], tables[id(rows)]) for rows, j in pending]
+        return tuple(jnp.concatenate(parts) for parts in zip(*table, strict=True))
+
+    flags = jnp.concatenate([rows.flags[launch] for rows, launch in pending])
+    return ring.place_flagged(log.ring, log.context, log.write_index, flags, candidates)
 
 
 def finish(
     log: common.Log, p: Prepared, pending: list, buffers: Sequence[jax.Array], written: jax.Array, tags: Sequence[int]
 ) -> tuple[tuple[jax.Array, ...], common.Log, jax.Array]:
-    """Places the phase's rows in order and bumps its counters (a verify and a write per tag; ``written`` is a
-    half's bool[T] written tokens)."""
-    placed, context, write_index = ring.place(log.ring, log.context, log.write_index, pending)
+    """Places the phase's rows in order (``pending``: ``(RowSet, launch)`` per launch, in ring order) and bumps
+    its counters (a verify and a write per tag; ``written`` is a half's bool[T] written tokens)."""
+    placed, context, write_index = _place(log, pending)
     entries = p.plan.active + jnp.sum(written, dtype=jnp.int32)
     overflows = log.verify_overflows
     if overflows is not None:
@@ -355,28 +442,19 @@ def phase(
     """
     p = prepare(buffers, log, batch, input_issues, spec)
     batch, plan, loc = p.batch, p.plan, p.loc
-    group_slots, capacity = buffers[0].shape[0], log.ring.shape[0]
+    group_slots = buffers[0].shape[0]
     loaded = load_halves(buffers, plan)
     verify_kv, write_kv = fold_halves(real_kv_sources, plan, loc, spec.real_kv_hash_mode, group_slots)
-    bits = verify_reference.loaded_bits(
-        loaded.stored,
-        loaded.expected_chain,
-        verify_kv,
-        plan.slot_indices,
-        plan.expected_tokens,
-        plan.expected_positions,
-        plan.prev_slot_indices,
-        plan.active,
-        check_expected_token=batch.token_ids is not None,
-    )
+    bits = verify_bits(loaded, verify_kv, plan, check_expected_token=batch.token_ids is not None)
     chains = walk_halves(loaded, plan, batch, loc, enable_chain_position_assert)
-    pending, new_buffers = list(p.pending), []
-    for h, (buf, tag) in enumerate(zip(buffers, spec.tags, strict=True)):
-        verify = verify_rows(p, half(loaded, h), bits[h], tag, batch.token_ids is not None, capacity)
-        chain = half(chains, h)
-        pending += [verify, write_rows(p, chain, tag, capacity)]
-        target = loc + ring.after(verify[1])  # the store waits for the verify rows read from this buffer
-        new_buffers.append(
-            store.store(buf, target, batch.input_ids, batch.positions, chain.prev_hash, half(write_kv, h), chain.written)
-        )
-    return finish(log, p, pending, new_buffers, chains.written[-1], spec.tags)
+    verify = _verify_set(p, loaded, bits, spec.tags, batch.token_ids is not None)
+    write = _write_set(p, chains, spec.tags)
+    target = loc + loaded_after(loaded)  # the stores wait for every record the rows read from the buffers
+    written = chains.written[0]  # the halves' chains write the same tokens: one last-writer pass serves both
+    new_buffers = [
+        store.store(buf, target, batch.input_ids, batch.positions, prev_hash, half(write_kv, h), written)
+        for h, (buf, prev_hash) in enumerate(zip(buffers, chains.prev_hash, strict=True))
+    ]
+    pending = list(p.pending) + [(rows, h) for h in range(len(buffers)) for rows in (verify, write)]
+    return finish(log, p, pending, new_buffers, written, spec.tags)
+

@@ -63,12 +63,16 @@ def loaded_bits(
     num_active: jax.Array,
     *,
     check_expected_token: bool,
+    entries: jax.Array | None = None,
 ) -> jax.Array:
     """:func:`verify_bits` of already loaded plan entries: ``stored`` (``records.load`` of the slots),
     ``expected_chain`` (``records.slot_hash`` of the predecessors) and ``real_kv`` (the folded KV) may carry
-    leading axes (e.g. the K and V halves stacked) over the plan's ``[capacity]``; the bits get them too."""
-    capacity = slot_indices.shape[0]
-    live = (jnp.arange(capacity) < num_active) & (slot_indices != layout.PADDING_SLOT)
+    leading axes (e.g. the K and V halves stacked) over the plan's ``[capacity]``; the bits get them too.
+    ``entries`` (i32[n]) are the given entries' indices in the plan when they are some of its entries (default:
+    all of them, in order)."""
+    if entries is None:
+        entries = jnp.arange(slot_indices.shape[0])
+    live = (entries < num_active) & (slot_indices != layout.PADDING_SLOT)
     reachable = prev_slot_indices != 0  # prev == 0: padding/evicted predecessor, chain unknowable
     bits = entry_bits(
         stored,

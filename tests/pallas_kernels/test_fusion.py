@@ -21,3 +21,19 @@ def test_computed_once_returns_its_input_unchanged(index):
     expected = hash64.join(hash64.splitmix64(hash64.split(x)))
     np.testing.assert_array_equal(np.asarray(once), np.asarray(expected))
     np.testing.assert_array_equal(np.asarray(xors), np.asarray(expected[1:] ^ expected[:-1]))
+
+
+@pytest.mark.parametrize("count", [0, 3, 4, 9, 10, 12])
+def test_leading_computes_the_first_count_entries(count):
+    xs = jnp.arange(10, dtype=jnp.int32) * 7 + 1
+    f = lambda x: hash64.join(hash64.splitmix64(hash64.from_i32(x)))  # noqa: E731
+
+    out = jax.jit(lambda xs, n: fusion.leading(f, xs, n, 4))(xs, jnp.int32(count))  # 3 blocks of 4: a loop on CPU
+    assert out.shape == (10, 2)
+    np.testing.assert_array_equal(np.asarray(out)[:count], np.asarray(f(xs))[:count])
+
+
+@pytest.mark.parametrize("word", [0, 1, 2**31 - 1, 2**31, 2**32 - 1])
+def test_zero_after_is_zero_for_any_word(word):
+    zero = jax.jit(fusion.zero_after)(jnp.full((3,), word, jnp.uint32))
+    assert zero.dtype == jnp.int32 and int(zero) == 0
