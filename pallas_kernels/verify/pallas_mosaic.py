@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -179,42 +178,6 @@ def _verify_call(canary_bufs, plan, num_active, views, specs, *, mode, check, ro
     return [b.reshape(-1)[:n] for b in bits]
 
 
-def verify_bits_of_buffers(
-    canary_bufs: Sequence[jax.Array],
-    slot_indices: jax.Array,
-    expected_tokens: jax.Array,
-    expected_positions: jax.Array,
-    prev_slot_indices: jax.Array,
-    num_active: jax.Array,
-    *,
-    real_kv_sources: Sequence[Sequence[realkv.RealKvSource]],
-    real_kv_hash_mode: int,
-    check_expected_token: bool,
-    interpret: bool = False,
-    config: Config | None = None,
-) -> list[jax.Array]:
-    """``verify_bits`` of one plan against several buffers (a phase's K and V halves) in one launch.
-
-    ``real_kv_sources[h]`` are buffer ``h``'s sources. Returns one i32[capacity] per buffer, each equal to
-    ``verify_bits`` of that buffer alone.
-    """
-    plan = (slot_indices, expected_tokens, expected_positions, prev_slot_indices)
-    capacity = slot_indices.shape[0]
-    if capacity == 0:
-        return [jnp.zeros((0,), jnp.int32) for _ in canary_bufs]
-    halves = [tuple(s) if real_kv_hash_mode != layout.REAL_KV_NONE else () for s in real_kv_sources]
-    return _forward_of_buffers(
-        canary_bufs,
-        plan,
-        num_active,
-        halves,
-        mode=real_kv_hash_mode,
-        check=check_expected_token,
-        interpret=interpret,
-        config=config or heuristic(capacity),
-    )
-
-
 def _forward_of_buffers(canary_bufs, plan, num_active, halves, *, mode, check, interpret, config):
     """The plan in calls of at most ``config.max_entries_per_call`` entries, each checking every buffer."""
     capacity = plan[0].shape[0]
@@ -249,3 +212,4 @@ def _forward(canary_buf, plan, num_active, sources, *, mode, check, interpret, c
 
 
 verify_bits = base.entry_point(_forward, heuristic)
+verify_bits_of_buffers = base.entry_point(_forward_of_buffers, heuristic, halves=True)  # a phase's K and V at once
