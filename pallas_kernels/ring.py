@@ -1,8 +1,9 @@
 """The fill-once violation ring and the launch counters, written once for both layers (SPEC §1 Ring).
 
 A launch's rows land at the ring's write index in order where the ring has room; the index counts every row,
-saturating at 2^31 - 1. The phase op places every launch of a phase with :func:`place`, and the SGLang-compatible
-single ops in ``kvcanary_jax.core`` place theirs with it too, so the bytes agree by construction.
+saturating at 2^31 - 1. The phase op places every launch of a phase with one :func:`place`, and the
+SGLang-compatible single ops in ``kvcanary_jax.core`` place each launch's rows with it too, so the bytes agree by
+construction.
 """
 
 from __future__ import annotations
@@ -28,54 +29,40 @@ def row_context(request_row: jax.Array, expected_position: jax.Array, batch_entr
     return jnp.stack([request_row, expected_position, batch_entry], axis=-1).astype(jnp.int32)
 
 
-def place(ring: jax.Array, context, write_index: jax.Array, pending):
-    """Writes each launch's rows at the write index in order where the fill-once ring has room.
-
-    ``pending`` holds ``(count, rows u32[capacity, 8, 2], row_context i32[capacity, 3])`` per launch: row k is
-    the launch's k-th, for k < min(count, capacity). ``context`` (the ring's, or None) gets each placed row's
-    context. The index grows by every count, saturating at 2^31 - 1. Returns ``(ring, context, write_index)``.
-    """
-    capacity = ring.shape[0]
-    row = jnp.arange(capacity, dtype=jnp.int32)
-    start = write_index[0]
-    for count, rows, row_ctx in pending:
-        k = row - start  # ring row start + k holds the launch's k-th row
-        fresh = (k >= 0) & (k < count)
-        at = jnp.clip(k, 0, capacity - 1)
-        ring = jnp.where(fresh[:, None, None], rows[at], ring)
-        if context is not None:
-            context = jnp.where(fresh[:, None], row_ctx[at], context)
-        start = start + jnp.minimum(count, _INT32_MAX - start)
-    return ring, context, start.reshape(1).astype(jnp.int32)
-
-
-def place_flagged(
+def place(
     ring: jax.Array,
     context,
     write_index: jax.Array,
     flags: jax.Array,
-    candidates: Callable[[], tuple[jax.Array, jax.Array]],
+    build: Callable[[jax.Array], tuple[jax.Array, jax.Array]],
 ):
-    """:func:`place` of launches given by their candidates: ``flags`` bool[n] (every launch's in order, the
-    launches in ring order) and ``candidates()`` -> ``(rows u32[n, 8, 2], context i32[n, 3])`` of each; a launch's
-    rows are its flagged candidates. The same bytes, with one compaction for every launch.
+    """Writes the row of each set flag, in flag order, at the write index where the fill-once ring has room.
 
-    The rows are built, compacted and placed only when the ring takes some: on CPU and TPU behind a conditional,
-    so a step with no violation (or a full ring) does none of that work (on GPU, always). Returns ``(ring, context, write_index)``.
+    ``flags`` bool[n] holds every candidate (several launches' candidates concatenated in ring order place as
+    those launches in turn). ``build(entries)`` -> ``(rows u32[m, 8, 2], context i32[m, 3])`` builds the rows of
+    the candidates ``entries`` i32[m]; it is asked for one row per ring row, so a launch with many candidates builds
+    no more than the ring holds. ``context`` (the ring's, or None) gets each placed row's context. The index grows by
+    every set flag, saturating at 2^31 - 1: SGLang's ``atomicAdd`` reservation, in a deterministic order.
+
+    The candidates are compacted (one stable sort), built and placed only when the ring takes some: on CPU and TPU
+    behind a conditional, so a step with no violation (or a full ring) does none of that work (on GPU, always).
+    Returns ``(ring, context, write_index)``.
     """
+    flags = flags.reshape(-1)
+    if flags.shape[0] == 0:  # a launch with no candidates (static): nothing to place, the index as it was
+        return ring, context, write_index
     capacity, start = ring.shape[0], write_index[0]
-    total = jnp.sum(flags, dtype=jnp.int32)  # place's per-launch saturating sums add up to the same index
+    total = jnp.sum(flags, dtype=jnp.int32)
 
     def emit(ring, context):
-        size = min(capacity, flags.shape[0])
         order = jnp.arange(flags.shape[0], dtype=jnp.int32)
         _, entries = lax.sort((jnp.where(flags, 0, 1).astype(jnp.int32), order), num_keys=1, is_stable=True)
-        rows, row_ctx = candidates()
         k = jnp.arange(capacity, dtype=jnp.int32) - start  # ring row start + k holds the k-th flagged candidate
-        fresh, at = (k >= 0) & (k < total), entries[jnp.clip(k, 0, size - 1)]
-        ring = jnp.where(fresh[:, None, None], rows[at], ring)
+        fresh = (k >= 0) & (k < total)
+        rows, row_ctx = build(entries[jnp.clip(k, 0, flags.shape[0] - 1)])
+        ring = jnp.where(fresh[:, None, None], rows, ring)
         if context is not None:
-            context = jnp.where(fresh[:, None], row_ctx[at], context)
+            context = jnp.where(fresh[:, None], row_ctx, context)
         return ring, context
 
     def when_placed(ring, context):

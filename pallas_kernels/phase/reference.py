@@ -378,20 +378,20 @@ def write_rows(p: Prepared, chain: write_reference.ChainOut, tag: int, capacity:
 
 
 def _place(log: common.Log, pending: list) -> tuple[jax.Array, jax.Array | None, jax.Array]:
-    """``ring.place`` of the pending launches' rows (``ring.place_flagged``), each kind's rows built once for all
-    its launches."""
+    """``ring.place`` of every pending launch's candidates at once, each kind's rows built once for all its
+    launches."""
 
-    def candidates():  # every pending launch's candidate rows, in ring order
+    def build(at):  # the rows of the candidates ``at`` (every pending launch's, in ring order)
         tables = {}
         for rows, _ in pending:
             if id(rows) not in tables:
                 launch, entry = jnp.indices(rows.flags.shape, jnp.int32)
                 tables[id(rows)] = rows.build(launch, entry)
         table = [jax.tree.map(lambda x, j=j: x[j], tables[id(rows)]) for rows, j in pending]
-        return tuple(jnp.concatenate(parts) for parts in zip(*table, strict=True))
+        return tuple(jnp.concatenate(parts)[at] for parts in zip(*table, strict=True))
 
     flags = jnp.concatenate([rows.flags[launch] for rows, launch in pending])
-    return ring.place_flagged(log.ring, log.context, log.write_index, flags, candidates)
+    return ring.place(log.ring, log.context, log.write_index, flags, build)
 
 
 def finish(
