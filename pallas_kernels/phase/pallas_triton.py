@@ -1,4 +1,4 @@
-"""Fused phase kernels (Pallas Triton): one phase of a group (K and V together) in three launches.
+"""Fused phase kernels (Pallas Triton): one phase of a group (K and V together) in two launches.
 
 The single ops pay ~50 small kernels per decode step (plan build, prefix sums, row gathers, appends, counter
 bumps; ``benchmarks/RESULTS.md``). Here a phase is:
@@ -7,19 +7,21 @@ bumps; ``benchmarks/RESULTS.md``). Here a phase is:
     seed records are read before any store, as the write op reads the pre-launch buffer; with
     ``skip_bad_requests`` a first pass over its slots decides whether it writes at all), programs ``[R, R + B)``
     verify one block of plan entries each, for every half. The plan is built in-kernel from the batch (request
-    lookup, ``req_to_token`` gathers, window), so it is never materialised. Outputs are small: each verify block's
-    flag count per half (and, with ``check_table``, its count of table values the pools cannot hold), each
-    request's row count per half and written count, and the chain's per-token results.
-  * ``kvcanary_phase_ring``: every verify block or request with flags recomputes its entries (the same plan and
-    check code) and writes its rows straight into the ring at ``index + rank``; the rank is the flag counts of the
-    launches and programs before it (SGLang's order: verify K, write K, verify V, write V; plan-entry order within
-    a launch), so the ring is byte-identical to the single launches'. The ``INVALID_INPUT`` rows come first: program
-    0 places the caller's ``input_issues``, then every block with table issues places theirs. Clean programs only
-    read their counts and exit. Program 0 also advances the write index and bumps the counters (and the
-    verify-overflow count).
-  * ``kvcanary_phase_store``: per block of tokens, folds the real KV and stores the records of both halves in
-    place, with the write op's deterministic last-writer rule. It takes the ring kernel's index as an input, so it
-    runs after every verify row was read from the buffers it overwrites.
+    lookup, ``req_to_token`` gathers, window), so it is never materialised. Outputs: each verify block's flag
+    count per half (and, with ``check_table``, its count of table values the pools cannot hold), each request's
+    row count per half and written count, the chain's per-token results, and a stash where a block with flags
+    writes its verify rows, packed, in its own region (nothing is written there by a clean block).
+  * ``kvcanary_phase_ring_store``, programs ``[0, B + R)``: every verify block or request with flags writes its
+    rows straight into the ring at ``index + rank``; the rank is the flag counts of the launches and programs
+    before it (SGLang's order: verify K, write K, verify V, write V; plan-entry order within a launch), so the
+    ring is byte-identical to the single launches'. Verify rows are copied from the stash, write rows built from
+    the chain's results, so no program reads a canary buffer. The ``INVALID_INPUT`` rows come first: program 0
+    places the caller's ``input_issues``, then every block with table issues places theirs (recomputed from the
+    table). Clean programs only read their counts and exit. Program 0 also advances the write index and bumps
+    the counters (and the verify-overflow count).
+  * the same launch, the programs after those: per block of tokens, fold the real KV and store the records of
+    both halves in place, with the write op's deterministic last-writer rule. Sharing the launch with the ring is
+    safe because the ring reads no record; a third launch would cost a dependent launch's 3-5 us at decode sizes.
 
 No XLA loop, prefix sum or scatter is left in the step (only ``store.last_writer``'s sort for more than
 ``PAIRWISE_MAX_TOKENS`` tokens, as in the write op).
@@ -130,7 +132,8 @@ def _walk(inp: tc.Inputs, r, outs, st: tc.Static) -> None:
 
 def _check_kernel(*refs, st: tc.Static):
     """Chain walks (programs < R), then verify blocks: each block's flag count per half (and its table issues)."""
-    inp, (vcount_ref, *chain_outs) = tc.take(refs, st)  # vcount i32[H (+1), B]; see _walk for the rest
+    inp, (vcount_ref, *outs) = tc.take(refs, st)  # vcount i32[H (+1), B]; see _walk for the chain outputs
+    chain_outs, stash = outs[:4], outs[4:]  # stash: verify rows u32[H * B * block, 16] (and context i32[., 3])
     pid, num_reqs, block = pl.program_id(0), st.num_reqs, st.config.verify_block
 
     @pl.when(pid < num_reqs)
@@ -153,8 +156,14 @@ def _check_kernel(*refs, st: tc.Static):
             entries = tc.plan_entries(inp, t, req, values, active, st)
             folds = tc.entry_folds(inp, entries, st)
             for h in range(st.halves):
-                bits, _, _ = tc.check_half(inp, h, entries, folds[h], st)
-                vcount_ref[h, b] = jnp.sum((bits != 0).astype(jnp.int32), dtype=jnp.int32)
+                bits, stored, chain = tc.check_half(inp, h, entries, folds[h], st)
+                flagged = (bits != 0).astype(jnp.int32)
+                count = jnp.sum(flagged, dtype=jnp.int32)
+                vcount_ref[h, b] = count
+
+                @pl.when(count > 0)
+                def _stash(h=h, bits=bits, stored=stored, chain=chain, flagged=flagged):
+                    _stash_verify_rows(inp, h, b, entries, (bits, stored, chain), flagged, stash, st)
             if st.check_table:
                 problem, _ = tc.table_problems(inp, t, values, listed, st)
                 vcount_ref[st.halves, b] = jnp.sum((problem != 0).astype(jnp.int32), dtype=jnp.int32)
@@ -165,25 +174,66 @@ def _check_kernel(*refs, st: tc.Static):
                 vcount_ref[h, b] = jnp.int32(0)
 
 
-# -- kvcanary_phase_ring -----------------------------------------------------------------------------------------
+def _stash_verify_rows(inp, h: int, b, entries, checked, flagged, stash, st: tc.Static) -> None:
+    """Writes block ``b``'s flagged verify rows of half ``h``, packed in entry order, at the start of the block's
+    region of the stash. The ring placement copies them from there: it runs in the store's launch, whose record
+    stores may already have overwritten what this kernel read from the canary buffers."""
+    bits, stored, chain = checked
+    block = st.config.verify_block
+    rows_ref, context_ref = stash[0], (stash[1] if st.has_context else None)
+    size = rows_ref.shape[0]
+    target = jnp.where(flagged != 0, _stash_row(h, b, jnp.cumsum(flagged, dtype=jnp.int32) - flagged, st), size)
+    token = entries.token if st.has_pool else jnp.full((block,), -1, jnp.int32)
+    fields = common.verify_row(st.tags[h], entries.slot, entries.prev, stored, chain, token, bits)
+    context = (inp.rpi[entries.req], entries.position, entries.req)
+    tc.store_row(rows_ref, target, flagged != 0, fields, context_ref, context)
 
 
-def _ring_kernel(*refs, st: tc.Static):
-    """Places the rows of every flagged verify block and request in the ring; program 0 also does the counts."""
-    inp, rest = tc.take(refs, st)
+def _stash_row(h: int, b, k, st: tc.Static):
+    """Row of the stash holding the k-th flagged verify row of block ``b``, half ``h``."""
+    return (h * st.num_blocks + b) * st.config.verify_block + k
+
+
+# -- kvcanary_phase_ring_store -----------------------------------------------------------------------------------
+
+
+def _ring_store_kernel(*refs, st: tc.Static):
+    """Programs ``[0, B + R)`` place the phase's rows in the ring (:func:`_ring`); the others store one block of
+    tokens' records each (:func:`_store`). One launch: the ring reads no canary buffer (the verify rows come from
+    the check kernel's stash), so the record stores cannot change what it places."""
+    inp, rest = tc.take(refs, st, with_buffers=False)
     it = iter(rest)
-    vcount_ref, req_count_ref, prev_hash_ref, expected_ref, flags_ref = [next(it) for _ in range(5)]
+    counts = [next(it) for _ in range(5)]  # vcount, req_count, prev_hash, expected, flags (the check kernel's)
+    stash = [next(it) for _ in range(1 + st.has_context)]
     issues_ref = next(it) if st.num_issues else None
-    for _ in range(1 + st.has_context):  # the ring (and its context) inputs, aliased to their outputs
+    winner_ref = next(it) if st.config.dedupe == "sort" else None
+    for _ in range(1 + st.has_context + st.halves):  # the ring (and its context), the buffers: aliased to outputs
         next(it)
-    index_ref, kernel_ref, slot_ref = [next(it) for _ in range(3)]
-    overflows_ref = next(it) if st.count_overflows else None
+    state = [next(it) for _ in range(3 + st.count_overflows)]  # write index, counters (and overflow count)
     ring_ref = next(it)
     context_ref = next(it) if st.has_context else None
-    index_out, kernel_out, slot_out, enable_out = [next(it) for _ in range(4)]
-    overflows_out = next(it) if st.count_overflows else None
+    new_state = [next(it) for _ in range(4 + st.count_overflows)]  # index, counters, enable (and overflows)
+    buf_outs = [next(it) for _ in range(st.halves)]
+    pid, ring_programs = pl.program_id(0), st.num_blocks + st.num_reqs
+
+    @pl.when(pid < ring_programs)
+    def _rows():
+        _ring(inp, pid, counts, stash, issues_ref, state, (ring_ref, context_ref), new_state, st)
+
+    @pl.when(pid >= ring_programs)
+    def _records():
+        _store(inp, pid - ring_programs, counts[4], counts[2], winner_ref, buf_outs, st)
+
+
+def _ring(inp, pid, counts, stash, issues_ref, state, ring, new_state, st: tc.Static) -> None:
+    """Places the rows of every flagged verify block and request in the ring; program 0 also does the counts."""
+    vcount_ref, req_count_ref, prev_hash_ref, expected_ref, flags_ref = counts
+    index_ref, kernel_ref, slot_ref = state[:3]
+    overflows_ref = state[3] if st.count_overflows else None
+    ring_ref, context_ref = ring
+    index_out, kernel_out, slot_out, enable_out = new_state[:4]
+    overflows_out = new_state[4] if st.count_overflows else None
     num_blocks, num_reqs, capacity = vcount_ref.shape[1], st.num_reqs, ring_ref.shape[0]
-    pid = pl.program_id(0)
     index = index_ref[0]
     room = jnp.maximum(capacity - index, 0)  # rows placed at index + k for k < room: no int32 overflow
 
@@ -235,7 +285,8 @@ def _ring_kernel(*refs, st: tc.Static):
 
             @pl.when(rel < room)
             def _place():
-                _place_verify_rows(inp, h, pid, rel, index, room, ring_ref, context_ref, st)
+                count = vcount_ref[h, pid]
+                _place_verify_rows(h, pid, rel, index, room, count, stash, ring_ref, context_ref, st)
 
         r = pid - num_blocks
 
@@ -316,22 +367,17 @@ def _place_table_rows(inp, b, rel, index, room, ring_ref, context_ref, st: tc.St
     tc.store_row(ring_ref, jnp.where(ok, index + k, ring_ref.shape[0]), ok, fields, context_ref, context)
 
 
-def _place_verify_rows(inp, h: int, b, rel, index, room, ring_ref, context_ref, st: tc.Static) -> None:
-    """Recomputes block ``b``'s entries of half ``h`` and writes its flagged ones' rows at ``index + rel + rank``."""
-    block = st.config.verify_block
-    t = b * block + tc.arange(block)
-    req, start, total = tc.locate(inp, t, st)
-    values = tc.table_values(inp, t, req, start, st)
-    entries = tc.plan_entries(inp, t, req, values, jnp.where(total > st.capacity, 0, total), st)
-    bits, stored, chain = tc.check_half(inp, h, entries, tc.entry_folds(inp, entries, st, (h,))[0], st)
-    flagged = (bits != 0).astype(jnp.int32)
-    k = rel + jnp.cumsum(flagged, dtype=jnp.int32) - flagged
-    ok = (flagged != 0) & (k < room)
-    token = entries.token if st.has_pool else jnp.full((block,), -1, jnp.int32)
-    fields = common.verify_row(st.tags[h], entries.slot, entries.prev, stored, chain, token, bits)
-    request = inp.rpi[entries.req]
-    context = (request, entries.position, entries.req)
-    tc.store_row(ring_ref, jnp.where(ok, index + k, ring_ref.shape[0]), ok, fields, context_ref, context)
+def _place_verify_rows(h: int, b, rel, index, room, count, stash, ring_ref, context_ref, st: tc.Static) -> None:
+    """Copies block ``b``'s ``count`` stashed verify rows of half ``h`` to the ring at ``index + rel + k``."""
+    k = tc.arange(st.config.verify_block)
+    ok = (k < count) & (rel + k < room)
+    source = jnp.where(ok, _stash_row(h, b, k, st), 0)
+    target = jnp.where(ok, index + rel + k, ring_ref.shape[0])
+    pairs = [(stash[0], ring_ref)] + ([(stash[1], context_ref)] if context_ref is not None else [])
+    for src_ref, dst_ref in pairs:
+        for w in range(dst_ref.shape[1]):
+            column = jnp.full(k.shape, w, jnp.int32)
+            plt.store(dst_ref.at[target, column], plt.load(src_ref.at[source, column], mask=ok, other=0), mask=ok)
 
 
 def _place_write_rows(inp, h: int, r, rel, index, room, outs, ring_ref, context_ref, st: tc.Static) -> None:
@@ -375,13 +421,13 @@ def _place_write_rows(inp, h: int, r, rel, index, room, outs, ring_ref, context_
     lax.fori_loop(jnp.int32(0), (count + chunk - 1) // chunk, body, jnp.int32(0))
 
 
-# -- kvcanary_phase_store ----------------------------------------------------------------------------------------
+# -- kvcanary_phase_ring_store: the store programs -------------------------------------------------------------
 
 
-def _overwritten_later(inp, flags_ref, entry, slot, st: tc.Static) -> jax.Array:
-    """bool[block]: a later written token stores the same slot (its record wins, as in ``store.last_writer``)."""
+def _overwritten_later(inp, flags_ref, entry, slot, first, st: tc.Static) -> jax.Array:
+    """bool[block]: a later written token stores the same slot (its record wins, as in ``store.last_writer``);
+    ``first`` is the block's first token."""
     num_tokens, cb = st.num_tokens, st.config.compare_block
-    first = pl.program_id(0) * st.config.store_block
 
     def scan(c, hit):
         other = first + c * cb + tc.arange(cb)
@@ -396,19 +442,15 @@ def _overwritten_later(inp, flags_ref, entry, slot, st: tc.Static) -> jax.Array:
     return lax.fori_loop(jnp.int32(0), steps, scan, jnp.zeros(entry.shape, jnp.int32)) != 0
 
 
-def _store_kernel(*refs, st: tc.Static):
-    """Folds and stores one block of tokens' records into every half's aliased ``u32[num_slots, 8]`` buffer."""
-    inp, rest = tc.take(refs, st, with_buffers=False)
-    flags_ref, prev_hash_ref = rest[:2]
-    winner_ref = rest[2] if st.config.dedupe == "sort" else None
-    outs = rest[-st.halves :]  # inputs before them: the ring kernel's index (ordering only)
+def _store(inp, p, flags_ref, prev_hash_ref, winner_ref, outs, st: tc.Static) -> None:
+    """Folds and stores token block ``p``'s records into every half's aliased ``u32[num_slots, 8]`` buffer."""
     block = st.config.store_block
-    entry = pl.program_id(0) * block + tc.arange(block)
+    entry = p * block + tc.arange(block)
     in_range = entry < st.num_tokens  # ragged last block: no automatic bounds masks before jax 0.12
     slot = tc.translate(inp, tc.load(inp.loc, entry, in_range, other=-1))
     written = (tc.load_row(flags_ref, 0, entry, in_range) & common.FLAG_WRITTEN) != 0
     if winner_ref is None:
-        winner = ~_overwritten_later(inp, flags_ref, entry, slot, st)
+        winner = ~_overwritten_later(inp, flags_ref, entry, slot, p * block, st)
     else:
         winner = tc.load(winner_ref, entry, in_range) != 0
     token = hash64.from_i32(tc.load(inp.ids, entry, in_range))
@@ -463,7 +505,7 @@ def phase(
         count_overflows=log.verify_overflows is not None,
     )
     inputs = tc.input_arrays(batch, enable_chain_position_assert, buffers, sources, interpret=interpret)
-    num_blocks = pl.cdiv(spec.verify_capacity, config.verify_block)
+    num_blocks = st.num_blocks
     i32, u32 = jnp.int32, jnp.uint32
     call = functools.partial(compat.triton_call, num_warps=config.num_warps, num_stages=config.num_stages)
 
@@ -473,25 +515,36 @@ def phase(
         jax.ShapeDtypeStruct((halves, num_tokens, 2), u32),  # chain-position assert's expected position
         jax.ShapeDtypeStruct((halves, num_tokens), i32),  # common.FLAG_* | input-assert bits
     )
+    ring_rows = log.ring.reshape(log.ring.shape[0], -1)  # u32[capacity, 16]
+    stash_rows = halves * num_blocks * config.verify_block  # written only where a verify entry is flagged
+    stash = (jax.ShapeDtypeStruct((stash_rows, ring_rows.shape[1]), u32),)
+    if log.context is not None:
+        stash += (jax.ShapeDtypeStruct((stash_rows, log.context.shape[1]), i32),)
     checked = call(
         functools.partial(_check_kernel, st=st),
-        out_shape=(jax.ShapeDtypeStruct((halves + spec.check_table, num_blocks), i32), *chain_outs),
+        out_shape=(jax.ShapeDtypeStruct((halves + spec.check_table, num_blocks), i32), *chain_outs, *stash),
         grid=(num_reqs + num_blocks,),
         name=f"kvcanary_phase_check_block={config.verify_block}",
         interpret=interpret,
     )(*inputs)
 
-    ring_rows = log.ring.reshape(log.ring.shape[0], -1)  # u32[capacity, 16]
+    flags, prev_hash = checked[4], checked[2]
+    winner = ()
+    if config.dedupe == "sort":
+        loc = common.translate(batch.out_cache_loc, *common.lut_reader(batch.full_to_swa_index_mapping))
+        written = (flags[0] & common.FLAG_WRITTEN) != 0
+        winner = (store.last_writer(loc, written, buffers[0].shape[0]).astype(i32),)
     context = () if log.context is None else (log.context,)
     issues = () if input_issues is None else (input_issues,)
     overflows = () if log.verify_overflows is None else (log.verify_overflows,)
-    ring_inputs = (
-        *inputs, *checked, *issues, ring_rows, *context, log.write_index, log.kernel_run_counters,
-        log.slot_run_counters, *overflows,
+    rows = tuple(kernel_io.record_rows(b) for b in buffers)
+    aliased = (ring_rows, *context, *rows)  # updated in place: the ring (and its context), the canary buffers
+    state = (log.write_index, log.kernel_run_counters, log.slot_run_counters, *overflows)
+    leading = (
+        *tc.input_arrays(batch, enable_chain_position_assert, (), sources, interpret=interpret), *checked, *issues,
+        *winner,
     )  # fmt: skip
-    first_ring = len(inputs) + len(checked) + len(issues)
-    ring_aliases = {first_ring + k: k for k in range(1 + len(context))}  # the ring (and its context): rows in place
-    ring_out_shape = (
+    out_shape = (
         jax.ShapeDtypeStruct(ring_rows.shape, u32),
         *(jax.ShapeDtypeStruct(c.shape, i32) for c in context),
         jax.ShapeDtypeStruct((1,), i32),
@@ -499,43 +552,24 @@ def phase(
         jax.ShapeDtypeStruct(log.slot_run_counters.shape, u32),
         jax.ShapeDtypeStruct((1,), i32),
         *(jax.ShapeDtypeStruct((1,), i32) for _ in overflows),
+        *(jax.ShapeDtypeStruct(r.shape, r.dtype) for r in rows),
     )
+    first_state = len(leading) + len(aliased)
+    aliases = {len(leading) + k: k for k in range(1 + len(context))}
+    aliases.update({len(leading) + 1 + len(context) + h: len(out_shape) - halves + h for h in range(halves)})
     if overflows:  # only program 0 reads the count, so it may be updated in place too (no copy into the donated one)
-        ring_aliases[len(ring_inputs) - 1] = len(ring_out_shape) - 1  # the last input and the last output
-    ring_out = call(
-        functools.partial(_ring_kernel, st=st),
-        out_shape=ring_out_shape,
-        grid=(num_blocks + num_reqs,),
-        name="kvcanary_phase_ring",
+        aliases[first_state + 3] = len(out_shape) - halves - 1
+    out = call(
+        functools.partial(_ring_store_kernel, st=st),
+        out_shape=out_shape,
+        grid=(num_blocks + num_reqs + pl.cdiv(num_tokens, config.store_block),),
+        name=f"kvcanary_phase_ring_store_block={config.store_block}_{config.dedupe}",
         interpret=interpret,
-        input_output_aliases=ring_aliases,
-    )(*ring_inputs)
-    ring_rows, context, rest = ring_out[0], ring_out[1 : 1 + len(context)], ring_out[1 + len(context) :]
-    write_index, kernel_counters, slot_counters, enable, *overflows = rest
-
-    _, _, prev_hash, _, flags = checked
-    winner = ()
-    if config.dedupe == "sort":
-        loc = common.translate(batch.out_cache_loc, *common.lut_reader(batch.full_to_swa_index_mapping))
-        written = (flags[0] & common.FLAG_WRITTEN) != 0
-        winner = (store.last_writer(loc, written, buffers[0].shape[0]).astype(i32),)
-    store_inputs = (
-        *tc.input_arrays(batch, enable_chain_position_assert, (), sources, interpret=interpret),
-        flags,
-        prev_hash,
-        *winner,
-        write_index,  # unused: it orders the in-place stores after the ring kernel's record reads
-    )
-    rows = [kernel_io.record_rows(b) for b in buffers]
-    first_buffer = len(store_inputs)
-    new_rows = call(
-        functools.partial(_store_kernel, st=st),
-        out_shape=tuple(jax.ShapeDtypeStruct(r.shape, r.dtype) for r in rows),
-        grid=(pl.cdiv(num_tokens, config.store_block),),
-        name=f"kvcanary_phase_store_block={config.store_block}_{config.dedupe}",
-        interpret=interpret,
-        input_output_aliases={first_buffer + h: h for h in range(halves)},  # the canary buffers, in place
-    )(*store_inputs, *rows)
+        input_output_aliases=aliases,
+    )(*leading, *aliased, *state)
+    ring_rows, context, rest = out[0], out[1 : 1 + len(context)], out[1 + len(context) :]
+    write_index, kernel_counters, slot_counters, enable, *rest = rest
+    overflows, new_rows = rest[: len(overflows)], rest[len(overflows) :]
     new_log = common.Log(
         ring=ring_rows.reshape(log.ring.shape),
         write_index=write_index,

@@ -1,8 +1,9 @@
 """Ref-side pieces of the fused phase kernels: ref unpacking, the in-kernel plan, the verify of a block, row stores.
 
-All three kernels of ``pallas_triton`` take the batch's arrays, the canary buffers and the KV sources as their
-leading inputs (whole-array refs, see ``compat.triton_call``) and build plan entries from them with the functions
-here, so the check kernel and the ring kernel see identical plan entries without materialising the plan.
+Both kernels of ``pallas_triton`` take the batch's arrays and the KV sources as their leading inputs (whole-array
+refs, see ``compat.triton_call``; the check kernel the canary buffers too) and build plan entries from them with the
+functions here, so the check kernel and the ring programs see identical plan entries without materialising the
+plan.
 """
 
 from __future__ import annotations
@@ -26,13 +27,13 @@ class Config:
     """Launch shapes of the phase kernels (every block a power of 2).
 
     Attributes:
-      verify_block: plan entries per program of the check and ring kernels.
-      store_block: tokens per program of the store kernel.
+      verify_block: plan entries per verify program of the check kernel and per block program of the ring.
+      store_block: tokens per store program.
       dedupe: duplicate-slot winner rule of the store: ``"pairwise"`` in-kernel, or ``"sort"``.
       req_chunk: requests compared per step of the in-kernel request lookup (after its narrowing, 0 or 1 steps
         at decode sizes; a [verify_block, req_chunk] compare, so it sets the check kernel's registers).
       sum_chunk: counts summed per step when a program adds up other programs' counts.
-      token_chunk: tokens per step when the ring kernel ranks a request's write rows.
+      token_chunk: tokens per step when the ring ranks a request's write rows.
       compare_block: later tokens per step of the pairwise winner scan.
       num_warps, num_stages: Triton launch parameters.
     """
@@ -75,6 +76,11 @@ class Static:
     @property
     def halves(self) -> int:
         return len(self.tags)
+
+    @property
+    def num_blocks(self) -> int:
+        """Verify blocks (programs of the check kernel after the chain walks)."""
+        return -(-self.capacity // self.config.verify_block)
 
 
 class Inputs(NamedTuple):
@@ -123,8 +129,8 @@ def input_arrays(batch: common.Batch, cpa, buffers, sources, *, interpret: bool)
 def take(refs, st: Static, *, with_buffers: bool = True) -> tuple[Inputs, list]:
     """Splits a kernel's refs into :class:`Inputs` and the rest (its own inputs, then its outputs).
 
-    The store kernel takes no read-only buffers (``with_buffers=False``): it updates them in place, and an aliased
-    buffer that is also read through another operand would make XLA copy it first.
+    The ring-and-store kernel takes no read-only buffers (``with_buffers=False``): it updates them in place, and an
+    aliased buffer that is also read through another operand would make XLA copy it first.
     """
     it = iter(refs)
     fixed = [next(it) for _ in range(9)]

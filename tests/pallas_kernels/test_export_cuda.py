@@ -227,13 +227,14 @@ def test_phase_lowers(tokens, swa):
     # Every optional input and switch: the rows' context, the overflow count, explicit roles, the caller's issues.
     issues = S((len(phase_common.INPUT_ISSUE_FIELDS), 2 * REQS + tokens), jnp.int32)
     text = _export(jax.jit(fn, donate_argnums=(0, 1)), buffers, log, batch, cpa, sources, issues)
-    assert text.count(compat.TRITON_CUSTOM_CALL_TARGET) == 3
+    assert text.count(compat.TRITON_CUSTOM_CALL_TARGET) == 2
     dedupe = "pairwise" if tokens <= write_triton.PAIRWISE_MAX_TOKENS else "sort"
-    for name in ("kvcanary_phase_check_block=128", "kvcanary_phase_ring", f"kvcanary_phase_store_block=128_{dedupe}"):
+    for name in ("kvcanary_phase_check_block=128", f"kvcanary_phase_ring_store_block=128_{dedupe}"):
         assert name in text
-    # The ring kernel updates in place the ring, its context and the overflow count (output 6, after the write
-    # index, the two counters and ``enable``): unaliased, XLA copies the new count into the donated one each step.
-    assert _aliased_outputs(text, "kvcanary_phase_ring") == [0, 1, 6]
+    # The ring-and-store kernel updates in place the ring, its context, the overflow count (output 6, after the
+    # write index, the two counters and ``enable``; unaliased, XLA would copy the new count into the donated one
+    # each step) and the two canary buffers (outputs 7 and 8).
+    assert _aliased_outputs(text, "kvcanary_phase_ring_store") == [0, 1, 6, 7, 8]
 
 
 @pytest.mark.parametrize("padding,width", [("reserved", 40), ("negative", None), ("none", None)])
@@ -272,9 +273,9 @@ def _aliased_outputs(text: str, kernel_name: str) -> list[int]:
 @pytest.mark.parametrize("padding", ["negative", "reserved"])
 def test_decode_step_is_only_triton_launches(padding):
     """The runner's HEAD + TAIL (K and V, real KV) lower to Triton launches and nothing XLA would run as a kernel
-    of its own: the batch checks (traced by each phase; identical calls, which XLA's CSE merges), then three
-    launches per phase. No XLA while loop either (XLA:GPU copies a while loop's predicate to the host every
-    iteration)."""
+    of its own: the batch checks (traced by each phase; identical calls, which XLA's CSE merges), then two
+    launches per phase (check, then ring and store). No XLA while loop either (XLA:GPU copies a while loop's
+    predicate to the host every iteration)."""
     bs, ctx, page = 8, 64, 16
     canary = kc.KvCanary(
         kc.CanaryConfig(real_kv_hash_mode="partial", ring_capacity=64),
@@ -290,7 +291,7 @@ def test_decode_step_is_only_triton_launches(padding):
         return canary.after_forward(state, batch, canary.kv_sources(full_k=k, full_v=v))
 
     text = _export(jax.jit(step, donate_argnums=0), state, batch, kv, kv)
-    assert text.count(compat.TRITON_CUSTOM_CALL_TARGET) == 2 + 6
+    assert text.count(compat.TRITON_CUSTOM_CALL_TARGET) == 2 + 4
     # Reshapes are bitcasts; the cases are the backends' platform branches, resolved for CUDA at compile time.
     ops = set(re.findall(r"stablehlo\.([a-z_]+)", text))
     assert ops <= {"custom_call", "output_operand_alias", "reshape", "case", "return", "constant"}, ops

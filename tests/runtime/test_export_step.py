@@ -20,9 +20,9 @@ CANARY = kc.KvCanary(
 )
 # The kernels of a step. On TPU, the single ops' Mosaic kernels: verify, and a chain walk and a record store per
 # write (launches of one shape share one lowered function, so each appears once or twice, not once per launch). On
-# GPU, the fused phase's three Triton kernels per phase.
+# GPU, the fused phase's two Triton kernels per phase.
 MOSAIC = ("kvcanary_verify_mosaic", "kvcanary_write_chain_mosaic", "kvcanary_write_store_mosaic")
-TRITON = ("kvcanary_phase_check", "kvcanary_phase_ring", "kvcanary_phase_store")
+TRITON = ("kvcanary_phase_check", "kvcanary_phase_ring_store")
 
 
 def _step(k, v, state, batch):
