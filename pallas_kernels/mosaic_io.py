@@ -178,21 +178,23 @@ def runs(slots: jax.Array, prevs: jax.Array, num_slots: int) -> jax.Array:
 
 def fetch_runs(
     count: jax.Array,
-    run_of: Callable[[jax.Array], jax.Array],
-    starts: Callable[[jax.Array, int], None],
+    read: Callable[[jax.Array], tuple[jax.Array, jax.Array]],
+    starts: Callable[[jax.Array, jax.Array, int], None],
     fetch: Callable[[jax.Array], None],
+    each: Callable[[jax.Array, jax.Array, jax.Array], None] | None = None,
 ) -> jax.Array:
     """Starts the record DMAs of entries ``0 .. count - 1`` in pieces, and returns how many predecessors it fetched.
 
-    From each piece's first entry ``e``, ``run_of(e)`` (:func:`runs`) gives its run; the piece is the run's largest
-    power of two within ``count`` (``size``, static in ``starts(e, size)``), and ``fetch(e)`` runs where the run's
-    first entry fetches its predecessor. A run of ``n`` consecutive records is one DMA per set bit of ``n``, and one
-    SMEM read per piece, instead of a DMA and a slot id per entry.
+    From each piece's first entry ``e``, ``read(e)`` gives its run (:func:`runs`) and its slot; the piece is the
+    run's largest power of two within ``count`` (``size``: static in ``starts(e, slot, size)``, traced in
+    ``each(e, slot, size)``), and ``fetch(e)`` runs where the run's first entry fetches its predecessor. A run of
+    ``n`` consecutive records is one DMA per set bit of ``n``, and two SMEM reads per piece, instead of a DMA and
+    a slot id per entry.
     """
 
     def piece(carry):
         e, fetched = carry
-        meta = run_of(e)
+        meta, slot = read(e)
         run, fetching = jnp.minimum(meta >> 1, count - e), (meta & 1) != 0
         size = jnp.int32(0)
         for k in range(_LANE_BITS + 1):
@@ -200,10 +202,12 @@ def fetch_runs(
 
             @pl.when(fits)
             def _(k=k):
-                starts(e, 1 << k)
+                starts(e, slot, 1 << k)
 
             size = jnp.where(fits, jnp.int32(1 << k), size)
         pl.when(fetching)(lambda: fetch(e))
+        if each is not None:
+            each(e, slot, size)
         return e + size, fetched + fetching.astype(jnp.int32)
 
     return lax.while_loop(lambda c: c[0] < count, piece, (jnp.int32(0), jnp.int32(0)))[1]

@@ -71,19 +71,18 @@ def _verify_kernel(
     count = jnp.clip(num_active_ref[0] - base, 0, rows * LANES)
     rec_sem, kv_sems = mosaic_io.semaphore(sems, 0), [mosaic_io.semaphore(sems, 1 + i) for i in range(len(flat))]
 
-    def piece_start(e, size):  # entries e .. e + size - 1: consecutive slots
-        slot = records.clamp_slots(slot_ref[base + e], num_slots)
+    def records_start(e, slot, size):  # entries e .. e + size - 1: consecutive slots
         for h, buf in enumerate(bufs_hbm):
             mosaic_io.record_copy(buf, slot, rec_ref, e, rec_sem, part=h, count=size).start()
 
-        def kv_start(j, carry):  # KV windows: one page row's DMA per entry (a run may cross pages)
+    def kv_start(e, slot, size):  # the piece's KV windows: one page row's DMA per entry (a run may cross pages)
+        def one(j, carry):
             for i in range(len(flat)):
                 for copy in mosaic_io.kv_copies(kv_hbm[i], windows[i], slot + j, kv_refs[i], e + j, kv_sems[i]):
                     copy.start()
             return carry
 
-        if flat:
-            lax.fori_loop(jnp.int32(0), jnp.int32(size), kv_start, 0)  # i32: a Python int is i64 under x64
+        lax.fori_loop(jnp.int32(0), size, one, 0)
 
     def predecessor_start(e):
         prev = records.clamp_slots(prev_ref[base + e], num_slots)
@@ -97,7 +96,8 @@ def _verify_kernel(
 
     @pl.when(count > 0)
     def _check():
-        fetched = mosaic_io.fetch_runs(count, lambda e: run_ref[base + e], piece_start, predecessor_start)
+        read = lambda e: (run_ref[base + e], records.clamp_slots(slot_ref[base + e], num_slots))  # noqa: E731
+        fetched = mosaic_io.fetch_runs(count, read, records_start, predecessor_start, kv_start if flat else None)
         # rows past count keep stale scratch; their bits are masked below
         mosaic_io.wait_entries(rec_ref, count, rec_sem, parts=(0, num_buffers))
         mosaic_io.wait_entries(rec_ref, fetched, rec_sem, parts=(num_buffers, num_buffers))
