@@ -171,6 +171,7 @@ def _walk(start, count, seed_hash, seed_position, check, input_ids, positions, o
 def _store_kernel(
     loc_ref,  # SMEM i32[n]: out_cache_loc
     store_ref,  # SMEM i32[n]: 1 where the entry's record is stored (written, last writer, slot in range)
+    end_ref,  # SMEM i32[1]: 1 + the last stored entry (0 if none)
     token_v_ref,  # i32[rows, 128]
     position_v_ref,  # i32[rows, 128]
     prev_lo_v_ref,  # u32[rows, 128]
@@ -188,7 +189,7 @@ def _store_kernel(
     windows = [mosaic_io.kv_window(s, mode) for s in specs]
     rows = token_v_ref.shape[0]
     base = pl.program_id(0) * (rows * LANES)
-    count = jnp.clip(loc_ref.shape[0] - base, 0, rows * LANES)
+    count = jnp.clip(end_ref[0] - base, 0, rows * LANES)  # entries past the last stored one are not visited
     stored = lambda e: store_ref[base + e] != 0  # noqa: E731
     rec_sem, kv_sems = mosaic_io.semaphore(sems, 0), [mosaic_io.semaphore(sems, 1 + i) for i in range(num_sources)]
 
@@ -226,12 +227,13 @@ def _store(canary_buf, entries, views, specs, *, mode, rows, interpret):
     loc, flag, token, position, prev_lo, prev_hi = entries
     n = loc.shape[0]
     grid = pl.cdiv(n, rows * LANES)
+    end = jnp.max(jnp.where(flag != 0, jnp.arange(1, n + 1, dtype=jnp.int32), 0), initial=0, keepdims=True)
     windows = [mosaic_io.kv_window(s, mode) for s in specs]
     dense = functools.partial(mosaic_io.lane_dense, num_rows=grid * rows)
     blocked = pl.BlockSpec((rows, LANES), lambda b, *_: (b, 0))
     in_hbm = pl.BlockSpec(memory_space=pl.ANY)
     grid_spec = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=2,
+        num_scalar_prefetch=3,
         grid=(grid,),
         in_specs=[blocked] * 4 + [in_hbm] * (len(views) + 1),
         out_specs=in_hbm,
@@ -248,8 +250,8 @@ def _store(canary_buf, entries, views, specs, *, mode, rows, interpret):
         name=f"kvcanary_write_store_mosaic_{rows=}",
         dimension_semantics=("parallel",),  # one writer per slot: blocks never touch the same record
         interpret=interpret,
-        input_output_aliases={2 + 4 + len(views): 0},  # the canary buffer, updated in place
-    )(loc, flag, dense(token), dense(position), dense(prev_lo), dense(prev_hi), *views, canary_buf)
+        input_output_aliases={3 + 4 + len(views): 0},  # the canary buffer, updated in place
+    )(loc, flag, end, dense(token), dense(position), dense(prev_lo), dense(prev_hi), *views, canary_buf)
 
 
 def _forward(canary_buf, walk, sources, *, mode, interpret, config):
