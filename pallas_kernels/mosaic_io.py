@@ -4,7 +4,8 @@ A TPU kernel reaches HBM only by DMA, and its vector unit works on (8, 128) tile
 kernels therefore lay a block of ``rows * 128`` entries out as ``[rows, 128]`` (entry ``e`` at ``(e >> 7, e & 127)``):
 
   * each entry's record, and each entry's window of KV bytes, is DMA'd from HBM into the entry's own row of a VMEM
-    scratch, with slot ids read as scalars from SMEM (scalar prefetch);
+    scratch, with slot ids read as scalars from SMEM (scalar prefetch); records of consecutive slots in consecutive
+    entries (a request's tokens in a page) move as one DMA per power of two of their run (:func:`fetch_runs`);
   * a transpose of the last two axes then turns those rows into "columns": one ``u32[rows, 128]`` vector per
     word, the shape the shared u32-pair hash code (:mod:`pallas_kernels.hash64`) works on.
 
