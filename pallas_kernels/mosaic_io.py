@@ -4,7 +4,8 @@ A TPU kernel reaches HBM only by DMA, and its vector unit works on (8, 128) tile
 kernels therefore lay a block of ``rows * 128`` entries out as ``[rows, 128]`` (entry ``e`` at ``(e >> 7, e & 127)``):
 
   * each entry's record, and each entry's window of KV bytes, is DMA'd from HBM into the entry's own row of a VMEM
-    scratch, with slot ids read as scalars from SMEM (scalar prefetch);
+    scratch, with slot ids read as scalars from SMEM (scalar prefetch); records of consecutive slots in consecutive
+    entries (a request's tokens in a page) move as one DMA per power of two of their run (:func:`fetch_runs`);
   * a transpose of the last two axes then turns those rows into "columns": one ``u32[rows, 128]`` vector per
     word, the shape the shared u32-pair hash code (:mod:`pallas_kernels.hash64`) works on.
 
@@ -106,26 +107,111 @@ def _at(ref, e: jax.Array):
     return ref.at[e >> _LANE_BITS, pl.ds(e & (LANES - 1), 1)]  # e >= 0: arithmetic shift is exact
 
 
-def record_copy(buf_hbm, slot: jax.Array, rec_ref, e: jax.Array, sem, *, to_hbm: bool = False, part: int | None = None):
-    """DMA of record ``slot`` of ``u32[num_slots, 4, 2]`` to (or from) entry ``e``'s row of ``u32[rows, 128, 4, 2]``
-    (or its ``part`` of ``u32[rows, 128, parts, 4, 2]``).
+def record_copy(
+    buf_hbm,
+    slot: jax.Array,
+    rec_ref,
+    e: jax.Array,
+    sem,
+    *,
+    to_hbm: bool = False,
+    part: int | None = None,
+    count: int = 1,
+):
+    """DMA of records ``slot .. slot + count - 1`` of ``u32[num_slots, 4, 2]`` to (or from) entries
+    ``e .. e + count - 1`` of ``u32[rows, 128, 4, 2]`` (or their ``part`` of ``u32[rows, 128, parts, 4, 2]``), which
+    must share a 128-lane row.
 
-    The HBM side is a whole record on the leading dim: the canary buffer keeps its own shape, since reshaping it
+    The HBM side is whole records on the leading dim: the canary buffer keeps its own shape, since reshaping it
     to rows of 8 words would make XLA relayout (copy) the whole buffer on TPU.
     """
+    lanes = pl.ds(e & (LANES - 1), count)  # e >= 0: arithmetic shift is exact
     # An int32 part: a Python int is int64 under x64, which Mosaic rejects as an index.
-    vmem = _at(rec_ref, e) if part is None else rec_ref.at[e >> _LANE_BITS, pl.ds(e & (LANES - 1), 1), jnp.int32(part)]
-    hbm = buf_hbm.at[pl.ds(slot, 1)]
+    vmem = rec_ref.at[e >> _LANE_BITS, lanes] if part is None else rec_ref.at[e >> _LANE_BITS, lanes, jnp.int32(part)]
+    hbm = buf_hbm.at[pl.ds(slot, count)]
     return pltpu.make_async_copy(vmem, hbm, sem) if to_hbm else pltpu.make_async_copy(hbm, vmem, sem)
 
 
-def row_wait(ref, e: jax.Array, sem, parts: tuple[int, int] | None = None):
-    """A wait for every DMA into entry ``e``'s row of a VMEM scratch (or into its ``parts = (first, count)`` of a
-    ``[rows, 128, parts, ...]`` scratch), on one semaphore: a descriptor of their destinations' union with
-    ``src = dst``. A DMA wait uses only its semaphore and its destination's size (ragged paged attention waits for
-    a block of page copies the same way), so one wait replaces one per copy."""
-    row = _at(ref, e) if parts is None else ref.at[e >> _LANE_BITS, pl.ds(e & (LANES - 1), 1), pl.ds(*parts)]
+def row_wait(ref, e: jax.Array, sem):
+    """A wait for every DMA into entry ``e``'s row of a VMEM scratch, on one semaphore: a descriptor of their
+    destinations' union with ``src = dst``. A DMA wait uses only its semaphore and its destination's size (ragged
+    paged attention waits for a block of page copies the same way), so one wait replaces one per copy."""
+    row = _at(ref, e)
     return pltpu.make_async_copy(row, row, sem)
+
+
+def wait_entries(ref, n: jax.Array, sem, parts: tuple[int, int] | None = None) -> None:
+    """Waits for DMAs into ``n`` entries' rows of a ``[rows, 128, ...]`` VMEM scratch (or into their ``parts =
+    (first, count)`` of a ``[rows, 128, parts, ...]`` scratch), on one semaphore, whichever entries they filled.
+
+    A DMA wait uses only its semaphore and its destination's size (ragged paged attention waits for a block of
+    page copies the same way), so ``n`` entries are waited for as one wait per set bit of ``n``: a descriptor of
+    the first ``2**k`` entries with ``src = dst``, instead of one wait per entry.
+    """
+    k = 0
+    while (1 << k) <= ref.shape[0] * LANES:
+        size = 1 << k
+
+        @pl.when((n & size) != 0)
+        def _(size=size):
+            region = (pl.ds(0, max(1, size // LANES)), pl.ds(0, min(size, LANES)))
+            region = region if parts is None else (*region, pl.ds(*parts))
+            pltpu.make_async_copy(ref.at[region], ref.at[region], sem).wait()
+
+        k += 1
+
+
+def runs(slots: jax.Array, prevs: jax.Array, num_slots: int) -> jax.Array:
+    """Per plan entry: ``2 * run + fetch``, for :func:`fetch_runs`.
+
+    ``run``: the entries from this one on whose records (``records.clamp_slots`` of ``slots``) are consecutive
+    slots, to the end of the entry's 128-lane row, with none that fetches its predecessor past the first.
+    ``fetch``: 1 where the entry's predecessor record is fetched, 0 where it is the previous lane's stored record
+    (a request's chain: not lane 0, and ``prevs`` names the previous entry's slot).
+    """
+    e = jnp.arange(slots.shape[0], dtype=jnp.int32)
+    clamped = records.clamp_slots(slots, num_slots)
+    fetch = ((e & (LANES - 1)) == 0) | (prevs != jnp.roll(slots, 1))
+    start = fetch | (clamped != jnp.roll(clamped, 1) + 1)
+    after = jnp.concatenate([jnp.where(start, e, slots.shape[0])[1:], jnp.full((1,), slots.shape[0], jnp.int32)])
+    return 2 * (lax.cummin(after, reverse=True) - e) + fetch.astype(jnp.int32)
+
+
+def fetch_runs(
+    count: jax.Array,
+    read: Callable[[jax.Array], tuple[jax.Array, jax.Array]],
+    starts: Callable[[jax.Array, jax.Array, int], None],
+    fetch: Callable[[jax.Array], None],
+    each: Callable[[jax.Array, jax.Array, jax.Array], None] | None = None,
+) -> jax.Array:
+    """Starts the record DMAs of entries ``0 .. count - 1`` in pieces, and returns how many predecessors it fetched.
+
+    From each piece's first entry ``e``, ``read(e)`` gives its run (:func:`runs`) and its slot; the piece is the
+    run's largest power of two within ``count`` (``size``: static in ``starts(e, slot, size)``, traced in
+    ``each(e, slot, size)``), and ``fetch(e)`` runs where the run's first entry fetches its predecessor. A run of
+    ``n`` consecutive records is one DMA per set bit of ``n``, and two SMEM reads per piece, instead of a DMA and
+    a slot id per entry.
+    """
+
+    def piece(carry):
+        e, fetched = carry
+        meta, slot = read(e)
+        run, fetching = jnp.minimum(meta >> 1, count - e), (meta & 1) != 0
+        size = jnp.int32(0)
+        for k in range(_LANE_BITS + 1):
+            fits = (run >> k) == 1  # 2**k <= run < 2**(k + 1)
+
+            @pl.when(fits)
+            def _(k=k):
+                starts(e, slot, 1 << k)
+
+            size = jnp.where(fits, jnp.int32(1 << k), size)
+        pl.when(fetching)(lambda: fetch(e))
+        if each is not None:
+            each(e, slot, size)
+        return e + size, fetched + fetching.astype(jnp.int32)
+
+    return lax.while_loop(lambda c: c[0] < count, piece, (jnp.int32(0), jnp.int32(0)))[1]
 
 
 def kv_copies(kv_hbm, window: KvWindow, slot: jax.Array, kv_ref, e: jax.Array, sem) -> list:

@@ -40,6 +40,7 @@ def _verify_kernel(
     num_active_ref,  # SMEM i32[1]: active entries of this call
     slot_ref,  # SMEM i32[n]
     prev_ref,  # SMEM i32[n]
+    run_ref,  # SMEM i32[n]: mosaic_io.runs of the slots
     slot_v_ref,  # i32[rows, 128]
     prev_v_ref,  # i32[rows, 128]
     token_v_ref,  # i32[rows, 128]
@@ -53,10 +54,11 @@ def _verify_kernel(
     """Fail bits of one block of entries in each buffer; entries past ``num_active`` (and blocks wholly past it)
     get zeros.
 
-    The buffers (K and V) share the plan, so each entry's slot ids are read from SMEM once, and its records land
-    in one row of one scratch (stored records at parts ``0 .. H-1``, predecessors at ``H .. 2H-1``), waited for
-    at once. A predecessor that is the previous entry's slot (a request's chain, lane ``e - 1`` of the same row)
-    is not fetched: its record is the previous lane's stored one, rolled into place.
+    The buffers (K and V) share the plan, so each entry's records land in one row of one scratch (stored records
+    at parts ``0 .. H-1``, predecessors at ``H .. 2H-1``). Records of consecutive slots (a request's tokens in a
+    page) are fetched by runs (:func:`mosaic_io.fetch_runs`), and all are waited for at once. A predecessor that
+    is the previous entry's slot (a request's chain, lane ``e - 1`` of the same row) is not fetched: its record is
+    the previous lane's stored one, rolled into place.
     """
     num_buffers, flat = len(specs), [s for half in specs for s in half]
     bufs_hbm, rest = refs[:num_buffers], refs[num_buffers:]
@@ -69,34 +71,23 @@ def _verify_kernel(
     count = jnp.clip(num_active_ref[0] - base, 0, rows * LANES)
     rec_sem, kv_sems = mosaic_io.semaphore(sems, 0), [mosaic_io.semaphore(sems, 1 + i) for i in range(len(flat))]
 
-    def start(e, carry):
-        previous, fetched = carry  # the previous entry's slot id, predecessors fetched so far
-        raw_slot, raw_prev = slot_ref[base + e], prev_ref[base + e]
-        slot = records.clamp_slots(raw_slot, num_slots)
+    def records_start(e, slot, size):  # entries e .. e + size - 1: consecutive slots
         for h, buf in enumerate(bufs_hbm):
-            mosaic_io.record_copy(buf, slot, rec_ref, e, rec_sem, part=h).start()
-        for i in range(len(flat)):
-            for copy in mosaic_io.kv_copies(kv_hbm[i], windows[i], slot, kv_refs[i], e, kv_sems[i]):
-                copy.start()
-        fetch = ((e & (LANES - 1)) == 0) | (raw_prev != previous)  # the vector side's ``reused``, negated
+            mosaic_io.record_copy(buf, slot, rec_ref, e, rec_sem, part=h, count=size).start()
 
-        @pl.when(fetch)
-        def _():
-            prev = records.clamp_slots(raw_prev, num_slots)
-            for h, buf in enumerate(bufs_hbm):
-                mosaic_io.record_copy(buf, prev, rec_ref, e, rec_sem, part=num_buffers + h).start()
+    def kv_start(e, slot, size):  # the piece's KV windows: one page row's DMA per entry (a run may cross pages)
+        def one(j, carry):
+            for i in range(len(flat)):
+                for copy in mosaic_io.kv_copies(kv_hbm[i], windows[i], slot + j, kv_refs[i], e + j, kv_sems[i]):
+                    copy.start()
+            return carry
 
-        return raw_slot, fetched + fetch.astype(jnp.int32)
+        lax.fori_loop(jnp.int32(0), size, one, 0)
 
-    def wait(e, carry):  # entry e's records (one union) and KV windows
-        mosaic_io.row_wait(rec_ref, e, rec_sem, parts=(0, num_buffers)).wait()
-        for kv_ref, sem in zip(kv_refs, kv_sems, strict=True):
-            mosaic_io.row_wait(kv_ref, e, sem).wait()
-        return carry
-
-    def wait_fetched(i, carry):  # one fetched entry's predecessors: the same size as any entry's union
-        mosaic_io.row_wait(rec_ref, i, rec_sem, parts=(num_buffers, num_buffers)).wait()
-        return carry
+    def predecessor_start(e):
+        prev = records.clamp_slots(prev_ref[base + e], num_slots)
+        for h, buf in enumerate(bufs_hbm):
+            mosaic_io.record_copy(buf, prev, rec_ref, e, rec_sem, part=num_buffers + h).start()
 
     @pl.when(count == 0)
     def _skip():
@@ -105,9 +96,13 @@ def _verify_kernel(
 
     @pl.when(count > 0)
     def _check():
-        _, fetched = lax.fori_loop(0, count, start, (jnp.int32(0), jnp.int32(0)))
-        lax.fori_loop(0, count, wait, 0)  # rows past count keep stale scratch; their bits are masked below
-        lax.fori_loop(0, fetched, wait_fetched, 0)
+        read = lambda e: (run_ref[base + e], records.clamp_slots(slot_ref[base + e], num_slots))  # noqa: E731
+        fetched = mosaic_io.fetch_runs(count, read, records_start, predecessor_start, kv_start if flat else None)
+        # rows past count keep stale scratch; their bits are masked below
+        mosaic_io.wait_entries(rec_ref, count, rec_sem, parts=(0, num_buffers))
+        mosaic_io.wait_entries(rec_ref, fetched, rec_sem, parts=(num_buffers, num_buffers))
+        for kv_ref, sem in zip(kv_refs, kv_sems, strict=True):
+            mosaic_io.wait_entries(kv_ref, count, sem)
         for kv_ref, kv_t_ref in zip(kv_refs, kv_t_refs, strict=True):
             mosaic_io.transpose_kv(kv_ref, kv_t_ref)
         slot, prev = slot_v_ref[...], prev_v_ref[...]
@@ -146,7 +141,7 @@ def _verify_call(canary_bufs, plan, num_active, views, specs, *, mode, check, ro
     blocked = pl.BlockSpec((rows, LANES), lambda b, *_: (b, 0))
     in_hbm = pl.BlockSpec(memory_space=pl.ANY)
     grid_spec = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=3,
+        num_scalar_prefetch=4,
         grid=(grid,),
         in_specs=[blocked] * 4 + [in_hbm] * (num_buffers + len(flat_views)),
         out_specs=[blocked] * num_buffers,
@@ -168,6 +163,7 @@ def _verify_call(canary_bufs, plan, num_active, views, specs, *, mode, check, ro
         jnp.reshape(num_active, (1,)),
         slots,
         prevs,
+        mosaic_io.runs(slots, prevs, canary_bufs[0].shape[0]),
         dense(slots),
         dense(prevs),
         dense(tokens),

@@ -2,10 +2,11 @@
 
 Two launches, as in ``pallas_triton``:
   * ``kvcanary_write_chain_mosaic``: one grid step per request walks its entries in order on the scalar core
-    (``mix3`` is not associative). The token arrays stay in HBM, viewed as ``[windows, 128]``; the walk DMAs each
-    128-entry window it touches into SMEM (128 i32 are 512 bytes, the smallest HBM-to-SMEM DMA), with the
-    matching windows of its outputs. Windows are shared by neighbouring requests, so the grid is sequential
-    ("arbitrary") and the window in SMEM is kept across requests, written back when the walk moves to another.
+    (``mix3`` is not associative). The token arrays stay in HBM, stacked as ``[windows, 3, 128]``; the walk DMAs
+    each 128-entry window it touches into SMEM (128 i32 are 512 bytes, the smallest HBM-to-SMEM DMA), with the
+    matching window of its outputs (``[windows, 5, 128]``). Windows are shared by neighbouring requests, so the
+    grid is sequential ("arbitrary") and the window in SMEM is kept across requests, written back when the walk
+    moves to another.
     Seeds are hashed before the launch, from the pre-launch buffer.
   * ``kvcanary_write_store_mosaic``: ``rows * 128`` entries per grid step fold their KV windows on
     ``u32[rows, 128]`` vectors and DMA their records into the aliased buffer. Only each slot's last writer
@@ -52,49 +53,40 @@ def heuristic(num_tokens: int) -> Config:
     return Config(rows=max(1, min(8, pl.cdiv(num_tokens, LANES))))
 
 
+_INS, _OUTS = 3, 5  # window rows: token, position, loc; prev_hash lo/hi, expected lo/hi, flags
+
+
 def _chain_kernel(
     start_ref,  # SMEM i32[R]
     count_ref,  # SMEM i32[R]
     seed_ref,  # SMEM u32[4 * R]: per request hash lo, hash hi, position lo, position hi
     check_ref,  # SMEM i32[R]
-    token_hbm,  # i32[windows, 128] in HBM
-    position_hbm,  # i32[windows, 128] in HBM
-    loc_hbm,  # i32[windows, 128] in HBM
-    *refs,  # 5 aliased zero inputs, 5 outputs [windows, 128] in HBM (prev_hash lo/hi, expected lo/hi, flags),
-    # 8 SMEM [1, 128] windows (3 inputs, 5 outputs), SMEM i32[1] (the window held), DMA semaphore[1]
+    ins_hbm,  # i32[windows, 3, 128] in HBM: token, position, loc
+    zeros_hbm,  # i32[windows, 5, 128] in HBM, aliased to out_hbm
+    out_hbm,  # i32[windows, 5, 128] in HBM: prev_hash lo/hi, expected lo/hi (u32 bits), flags
+    window_s,  # SMEM i32[8, 128]: the held window, the 3 input rows then the 5 output rows
+    held_s,  # SMEM i32[1]: the window held
+    sems,  # DMA semaphore[1]
 ):
     """Walks request ``program_id``'s entries in order; entries of no request keep the aliased zeros.
 
-    The SMEM windows stay loaded across requests (the grid is sequential): a window is written back and the next
-    one loaded only when the walk moves to another window, and the last one after the last request. Neighbouring
-    requests mostly share windows, so a step of short requests moves each window once, not once per request.
+    The SMEM window stays loaded across requests (the grid is sequential): it is written back and the next one
+    loaded only when the walk moves to another window, and the last one after the last request. Neighbouring
+    requests mostly share windows, so a step of short requests moves each window once, not once per request. A
+    window's rows are one array in HBM and in SMEM, so a move is one DMA each way and one wait.
     """
-    outs_hbm, smem, held_s, sems = refs[5:10], refs[10:18], refs[18], refs[19]
-    ins = tuple(zip((token_hbm, position_hbm, loc_hbm), smem[:3], strict=True))
-    outs = tuple(zip(outs_hbm, smem[3:], strict=True))
-    token_s, position_s, loc_s = smem[:3]
-    prev_lo_s, prev_hi_s, expected_lo_s, expected_hi_s, flags_s = smem[3:]
+    del zeros_hbm  # only its aliased contents (out_hbm's initial zeros) matter
+    sem, u32_bits = mosaic_io.semaphore(sems, 0), functools.partial(lax.bitcast_convert_type, new_dtype=jnp.int32)
     r = pl.program_id(0)
     start = start_ref[r]
     end = start + count_ref[r]
 
-    def move(pairs, w, *, to_hbm):
-        sem = mosaic_io.semaphore(sems, 0)
-        copies = [
-            pltpu.make_async_copy(s, h.at[pl.ds(w, 1)], sem)
-            if to_hbm
-            else pltpu.make_async_copy(h.at[pl.ds(w, 1)], s, sem)
-            for h, s in pairs
-        ]
-        for c in copies:
-            c.start()
-        for c in copies:
-            c.wait()
-
     def write_back(held):
         @pl.when(held >= 0)
         def _():
-            move(outs, held, to_hbm=True)
+            copy = pltpu.make_async_copy(window_s.at[pl.ds(_INS, _OUTS)], out_hbm.at[held], sem)
+            copy.start()
+            copy.wait()
 
     @pl.when(r == 0)
     def _init():
@@ -102,12 +94,12 @@ def _chain_kernel(
 
     def step(k, carry, check):
         h, position_prev = (carry[0], carry[1]), (carry[2], carry[3])
-        slot, token, position = loc_s[0, k], token_s[0, k], position_s[0, k]
+        token, position, slot = window_s[0, k], window_s[1, k], window_s[2, k]
         live = slot >= 0
         expected, failed = reference.position_assert(position_prev, position, live, check)
-        prev_lo_s[0, k], prev_hi_s[0, k] = h
-        expected_lo_s[0, k], expected_hi_s[0, k] = expected
-        flags_s[0, k] = jnp.where(live, jnp.int32(_WRITTEN), 0) | jnp.where(failed, jnp.int32(_POSITION_FAILED), 0)
+        window_s[3, k], window_s[4, k] = (u32_bits(x) for x in h)
+        window_s[5, k], window_s[6, k] = (u32_bits(x) for x in expected)
+        window_s[7, k] = jnp.where(live, jnp.int32(_WRITTEN), 0) | jnp.where(failed, jnp.int32(_POSITION_FAILED), 0)
         h, position_prev = reference.advance(h, position_prev, token, position, live)
         return (*h, *position_prev)
 
@@ -117,7 +109,13 @@ def _chain_kernel(
         @pl.when(w != held)
         def _load():
             write_back(held)
-            move(ins + outs, w, to_hbm=False)  # outputs too: the window's other entries must survive
+            copies = [  # outputs too: the window's other entries must survive
+                pltpu.make_async_copy(ins_hbm.at[w], window_s.at[pl.ds(0, _INS)], sem),
+                pltpu.make_async_copy(out_hbm.at[w], window_s.at[pl.ds(_INS, _OUTS)], sem),
+            ]
+            for copy in copies:
+                copy.start()
+            pltpu.make_async_copy(window_s, window_s, sem).wait()  # both: the whole window's size
             held_s[0] = w
 
         first = w << _WINDOW_BITS
@@ -140,38 +138,40 @@ def _walk(start, count, seed_hash, seed_position, check, input_ids, positions, o
     num_windows = pl.cdiv(num_tokens, _WINDOW)
     dense = functools.partial(mosaic_io.lane_dense, num_rows=num_windows)
     seeds = jnp.stack([*seed_hash, *seed_position], axis=-1).reshape(-1)  # 1-D: SMEM pads 2-D arrays' last dim
-    zeros = [jnp.zeros((num_windows, _WINDOW), dt) for dt in (jnp.uint32,) * 4 + (jnp.int32,)]
+    ins = jnp.stack([dense(input_ids), dense(positions), dense(out_cache_loc)], axis=1)
+    zeros = jnp.zeros((num_windows, _OUTS, _WINDOW), jnp.int32)
     in_hbm = pl.BlockSpec(memory_space=pl.ANY)
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=4,
         grid=(num_reqs,),
-        in_specs=[in_hbm] * 8,
-        out_specs=[in_hbm] * 5,
+        in_specs=[in_hbm] * 2,
+        out_specs=in_hbm,
         scratch_shapes=[
-            *(pltpu.SMEM((1, _WINDOW), jnp.int32) for _ in range(3)),
-            *(pltpu.SMEM((1, _WINDOW), z.dtype) for z in zeros),
+            pltpu.SMEM((_INS + _OUTS, _WINDOW), jnp.int32),
             pltpu.SMEM((1,), jnp.int32),
             pltpu.SemaphoreType.DMA((1,)),
         ],
     )
-    outs = compat.mosaic_call(
+    out = compat.mosaic_call(
         _chain_kernel,
-        out_shape=[jax.ShapeDtypeStruct(z.shape, z.dtype) for z in zeros],
+        out_shape=jax.ShapeDtypeStruct(zeros.shape, zeros.dtype),
         grid_spec=grid_spec,
         name="kvcanary_write_chain_mosaic",
         dimension_semantics=("arbitrary",),  # requests share windows: read-modify-write in grid order
         interpret=interpret,
         # Entries of no request are never visited, and unwritten outputs are garbage (pallas_notes §9, pitfall
         # 8), so the outputs start as aliased zeros (scalar-prefetch operands count in the indices).
-        input_output_aliases={4 + 3 + i: i for i in range(5)},
-    )(start, count, seeds, check.astype(jnp.int32), dense(input_ids), dense(positions), dense(out_cache_loc), *zeros)
-    prev_lo, prev_hi, expected_lo, expected_hi, flags = (x.reshape(-1)[:num_tokens] for x in outs)
-    return hash64.join((prev_lo, prev_hi)), hash64.join((expected_lo, expected_hi)), flags
+        input_output_aliases={4 + 1: 0},
+    )(start, count, seeds, check.astype(jnp.int32), ins, zeros)
+    words = jnp.swapaxes(out, 0, 1).reshape(_OUTS, -1)[:, :num_tokens]
+    prev_lo, prev_hi, expected_lo, expected_hi = lax.bitcast_convert_type(words[:4], jnp.uint32)
+    return hash64.join((prev_lo, prev_hi)), hash64.join((expected_lo, expected_hi)), words[4]
 
 
 def _store_kernel(
     loc_ref,  # SMEM i32[n]: out_cache_loc
     store_ref,  # SMEM i32[n]: 1 where the entry's record is stored (written, last writer, slot in range)
+    end_ref,  # SMEM i32[1]: 1 + the last stored entry (0 if none)
     token_v_ref,  # i32[rows, 128]
     position_v_ref,  # i32[rows, 128]
     prev_lo_v_ref,  # u32[rows, 128]
@@ -189,7 +189,7 @@ def _store_kernel(
     windows = [mosaic_io.kv_window(s, mode) for s in specs]
     rows = token_v_ref.shape[0]
     base = pl.program_id(0) * (rows * LANES)
-    count = jnp.clip(loc_ref.shape[0] - base, 0, rows * LANES)
+    count = jnp.clip(end_ref[0] - base, 0, rows * LANES)  # entries past the last stored one are not visited
     stored = lambda e: store_ref[base + e] != 0  # noqa: E731
     rec_sem, kv_sems = mosaic_io.semaphore(sems, 0), [mosaic_io.semaphore(sems, 1 + i) for i in range(num_sources)]
 
@@ -227,12 +227,13 @@ def _store(canary_buf, entries, views, specs, *, mode, rows, interpret):
     loc, flag, token, position, prev_lo, prev_hi = entries
     n = loc.shape[0]
     grid = pl.cdiv(n, rows * LANES)
+    end = jnp.max(jnp.where(flag != 0, jnp.arange(1, n + 1, dtype=jnp.int32), 0), initial=0, keepdims=True)
     windows = [mosaic_io.kv_window(s, mode) for s in specs]
     dense = functools.partial(mosaic_io.lane_dense, num_rows=grid * rows)
     blocked = pl.BlockSpec((rows, LANES), lambda b, *_: (b, 0))
     in_hbm = pl.BlockSpec(memory_space=pl.ANY)
     grid_spec = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=2,
+        num_scalar_prefetch=3,
         grid=(grid,),
         in_specs=[blocked] * 4 + [in_hbm] * (len(views) + 1),
         out_specs=in_hbm,
@@ -249,8 +250,8 @@ def _store(canary_buf, entries, views, specs, *, mode, rows, interpret):
         name=f"kvcanary_write_store_mosaic_{rows=}",
         dimension_semantics=("parallel",),  # one writer per slot: blocks never touch the same record
         interpret=interpret,
-        input_output_aliases={2 + 4 + len(views): 0},  # the canary buffer, updated in place
-    )(loc, flag, dense(token), dense(position), dense(prev_lo), dense(prev_hi), *views, canary_buf)
+        input_output_aliases={3 + 4 + len(views): 0},  # the canary buffer, updated in place
+    )(loc, flag, end, dense(token), dense(position), dense(prev_lo), dense(prev_hi), *views, canary_buf)
 
 
 def _forward(canary_buf, walk, sources, *, mode, interpret, config):

@@ -79,12 +79,15 @@ _xla_write = jax.jit(functools.partial(write_api.write, backend="xla"), static_a
 _xla_fold = jax.jit(realkv.fold_slots, static_argnames=("mode",))
 
 
-def write_inputs(rng, *, num_slots: int, num_reqs: int, max_len: int, extra_tokens: int = 3, clean: bool = False):
+def write_inputs(
+    rng, *, num_slots: int, num_reqs: int, max_len: int, extra_tokens: int = 3, clean: bool = False, page: int = 1
+):
     """Positional args of ``write_api.write`` after the buffer, ``num_reqs * max_len + extra_tokens`` tokens.
 
     Requests are ragged (the rest of the token arrays belongs to no request). ``clean`` writes fresh unique
     slots from seed -1 at positions 0, 1, ...; otherwise entries are skipped, duplicated within and across
     requests, out of range or at slot 0, positions glitch, seeds are arbitrary and some requests are invalid.
+    The tokens' slots are pages of ``page`` consecutive slots (from slot 1) in random order.
     """
     lens = rng.integers(0 if not clean else 1, max_len + 1, num_reqs)
     lens[0] = max(lens[0], 2)
@@ -92,7 +95,8 @@ def write_inputs(rng, *, num_slots: int, num_reqs: int, max_len: int, extra_toke
     n = num_reqs * max_len + extra_tokens
     num_valid = num_reqs if clean else int(rng.integers(num_reqs - 1, num_reqs + 1))
     if n < num_slots:
-        loc = rng.permutation(np.arange(1, num_slots))[:n].astype(np.int32)
+        pages = rng.permutation((num_slots - 1) // page)[:, None] * page + np.arange(page)
+        loc = (1 + pages.reshape(-1))[:n].astype(np.int32)
     else:
         assert not clean, f"clean writes need a fresh slot per token; got {n=} tokens, {num_slots=}"
         loc = rng.integers(1, num_slots, n).astype(np.int32)
@@ -121,7 +125,16 @@ def random_buffer(rng, num_slots: int):
 
 
 def verify_inputs(
-    rng, *, num_slots: int, num_reqs: int, max_len: int, sources, mode: int, capacity_slack: int = 5, shuffle=True
+    rng,
+    *,
+    num_slots: int,
+    num_reqs: int,
+    max_len: int,
+    sources,
+    mode: int,
+    capacity_slack: int = 5,
+    shuffle=True,
+    page: int = 1,
 ):
     """(canary_buf, sources, plan arrays, num_active) of chains written by the xla path, then tampered with.
 
@@ -131,7 +144,7 @@ def verify_inputs(
     fixed capacity of ``num_reqs * max_len + capacity_slack``.
     """
     offsets, seeds, num_valid, ids, positions, loc = write_inputs(
-        rng, num_slots=num_slots, num_reqs=num_reqs, max_len=max_len, extra_tokens=0, clean=True
+        rng, num_slots=num_slots, num_reqs=num_reqs, max_len=max_len, extra_tokens=0, clean=True, page=page
     )
     # The chain is written without sources (one compile of the xla chain per shape), then the REAL_KV_HASH
     # field is filled with the xla fold, exactly what a write with the sources would store.

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import kvcanary_jax as kc
-from pallas_kernels import realkv
+from pallas_kernels import mosaic_io, realkv
 from pallas_kernels.verify import api, pallas_mosaic
 from tests.pallas_kernels import kernel_cases as cases
 
@@ -84,6 +84,22 @@ def test_chained_plan_reads_predecessors_from_the_previous_lane():
     assert n > 128 and 128 in chained and len(chained) > n // 2, (n, chained)
     bits = _assert_same(buf, plan, n, kv, mode=1, check=True, config=pallas_mosaic.Config(rows=2))
     assert bits[chained].any() and not bits[chained].all()
+
+
+def test_runs_of_consecutive_slots_are_fetched_in_pieces():
+    """Requests in pages of 16 consecutive slots, in chain order: records are fetched by runs (one DMA per power
+    of two of a run) that end at a page, a row's lane 0, a tampered slot or predecessor, and num_active."""
+    rng = np.random.default_rng(6)
+    sources = cases.make_sources(rng, 2 * NUM_SLOTS, SOURCES["bf16_p4"])
+    buf, kv, plan, n = cases.verify_inputs(
+        rng, num_slots=2 * NUM_SLOTS, num_reqs=12, max_len=24, sources=sources, mode=1, shuffle=False, page=16
+    )
+    runs = np.asarray(mosaic_io.runs(plan[0], plan[3], 2 * NUM_SLOTS))[:n] >> 1
+    assert n > 128 and runs.max() == 16 and (runs[1:] == runs[:-1] - 1).sum() > n // 2, runs
+    config = pallas_mosaic.Config(rows=2)
+    for num_active in (n, 131):
+        bits = _assert_same(buf, plan, jnp.int32(num_active), kv, mode=1, check=True, config=config)
+    assert bits[:131].any()
 
 
 def test_empty_plan():
