@@ -27,15 +27,17 @@ def computed_once(x: jax.Array, index: jax.Array) -> jax.Array:
 
 
 def leading(f: Callable[[jax.Array], jax.Array], xs: jax.Array, count: jax.Array, block: int) -> jax.Array:
-    """``f(xs)`` for the first ``count`` entries of ``xs`` (i32[n]); past them, entries hold ``f``'s values or
-    zeros (an ``f`` that gives 0 past ``count`` gives exact zeros).
+    """``f(xs)`` for the first ``count`` entries of ``xs`` (leading axis ``n``); past them, entries hold ``f``'s
+    values or zeros (an ``f`` that gives 0 past ``count`` gives exact zeros).
 
     A fixed-capacity list (a verify plan of thousands of entries) is mostly empty in a step: ``f`` runs on blocks
     of ``block`` entries, one loop step per block up to the block holding entry ``count - 1``, so its cost follows
-    the traced count, not the capacity. ``f`` maps i32[block] to an array with leading axis ``block``, element-wise
-    along it; the result has leading axis ``n``. It is computed once (a loop's output), whoever reads it. Lowered
-    for another platform than CPU (where each loop step would copy its predicate to the host, or a TPU export
-    would hold a loop), ``f`` runs once on all of ``xs`` (``lax.platform_dependent``).
+    the traced count, not the capacity. ``f`` maps ``block`` entries of ``xs`` to an array with leading axis
+    ``block``, element-wise along it; the result has leading axis ``n``. The last block starts at ``n - block``
+    (the entries it repeats get the same values again), so nothing is padded or sliced around the loop. It is
+    computed once (a loop's output), whoever reads it. Lowered for another platform than CPU (where each loop step
+    would copy its predicate to the host, or a TPU export would hold a loop), ``f`` runs once on all of ``xs``
+    (``lax.platform_dependent``).
     """
     n = xs.shape[0]
     if n <= block:
@@ -43,16 +45,15 @@ def leading(f: Callable[[jax.Array], jax.Array], xs: jax.Array, count: jax.Array
     num_blocks = -(-n // block)
 
     def looped(xs, count):
-        padded = jnp.pad(xs, (0, num_blocks * block - n))
-        out_type = jax.eval_shape(f, padded[:block])
-        out = jnp.zeros((num_blocks * block, *out_type.shape[1:]), out_type.dtype)
+        out_type = jax.eval_shape(f, xs[:block])
+        out = jnp.zeros((n, *out_type.shape[1:]), out_type.dtype)
 
         def step(k, out):
-            start = k * block
-            return lax.dynamic_update_slice_in_dim(out, f(lax.dynamic_slice_in_dim(padded, start, block)), start, 0)
+            start = jnp.minimum(k * block, n - block)
+            return lax.dynamic_update_slice_in_dim(out, f(lax.dynamic_slice_in_dim(xs, start, block)), start, 0)
 
         steps = jnp.clip((count + block - 1) // block, 0, num_blocks).astype(jnp.int32)
-        return lax.fori_loop(jnp.int32(0), steps, step, out)[:n]
+        return lax.fori_loop(jnp.int32(0), steps, step, out)
 
     return lax.platform_dependent(xs, count, cpu=looped, default=lambda xs, _: f(xs))
 

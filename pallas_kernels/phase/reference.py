@@ -140,57 +140,131 @@ def skip_rejected_requests(
     return jnp.where(covered & (batch.active[row] != 0) & (rejects[row] == 0), loc, -1)
 
 
-class Loaded(NamedTuple):
-    """What the phase reads of the canary buffers before its writes, per half stacked on a leading axis (K, V).
+# The u32 words of each entry's ``Loaded.words[entry, half]``: the record read at the entry's slot (its position
+# field at _POSITION), the H() of its hashed slot, the REAL_KV_HASH fold of its slot and its verify bits.
+_RECORD, _POSITION, _HASH, _FOLD, _BITS = slice(0, 8), slice(2, 4), slice(8, 10), slice(10, 12), 12
 
-    Each value is computed once (materialised) for its readers; past the plan's ``active`` entries
-    ``expected_chain`` holds unspecified values (no reader looks there)."""
-
-    stored: records.Record  # the verify plan entries' records, u64 [halves, capacity]
-    expected_chain: hash64.U64  # H(prev) of each entry, u64 [halves, capacity]
-    seed_hash: hash64.U64  # H(seed slot) of each request's write chain, u64 [halves, R]
-    seed_position: hash64.U64  # the seed slots' stored positions, u64 [halves, R]
-
-
-# Plan entries hashed (or folded) per loop step on CPU: the loop walks the listed entries only (fusion.leading).
+# Entries read per loop step on CPU: the loop walks the listed entries only (fusion.leading).
 _BLOCK = 64
 
 
-def stack_halves(trees):
-    """One pytree from per-half pytrees of equal structure, each leaf stacked on a new leading axis."""
-    return jax.tree.map(lambda *leaves: jnp.stack(leaves), *trees)
+class Loaded(NamedTuple):
+    """What the phase reads of the canary buffers before its writes, and what it derives from those reads alone.
+
+    ``words`` is u32[R + T + capacity, halves, 13], one row per entry of three lists: each request's write-chain
+    seed, each written token and each verify plan entry, in that order (:func:`read_halves`). Readers index it
+    directly (:meth:`seeds`, :meth:`write_kv`, :meth:`verify`), so it is computed once and no slice or split copy
+    of it crosses into a loop or a conditional. Past the plan's ``active`` entries the verify rows hold zeros or
+    unspecified values (no reader looks there; the bits are 0)."""
+
+    words: jax.Array
+    table: jax.Array  # i32[R + T + capacity, 6] what each entry read: see read_halves
+    num_reqs: int
+    num_tokens: int
+
+    def seeds(self) -> tuple[hash64.U64, hash64.U64]:
+        """(H(seed slot), the seed slot's stored position) of each request's write chain, u64 [halves, R]."""
+        seeds = jnp.moveaxis(self.words[: self.num_reqs], 0, 1)
+        return hash64.split(seeds[..., _HASH]), hash64.split(seeds[..., _POSITION])
+
+    def write_kv(self, h: int) -> hash64.U64:
+        """Half ``h``'s REAL_KV_HASH of each written token's slot, u64 [T]."""
+        return hash64.split(self.words[self.num_reqs : self.num_reqs + self.num_tokens, h, _FOLD])
+
+    def verify(self, h, entries) -> tuple[records.Record, hash64.U64, jax.Array, tuple[jax.Array, ...]]:
+        """(stored record, H(prev), verify bits i32, (slot, prev, expected token, expected position, batch row))
+        of verify plan ``entries`` of half ``h`` (arrays of one shape, or an int half): one gather of each array."""
+        at = self.num_reqs + self.num_tokens + entries
+        words, plan = self.words[at, h], self.table[at]
+        stored = records.fields(words[..., _RECORD].reshape(*words.shape[:-1], 4, 2))
+        bits = lax.bitcast_convert_type(words[..., _BITS], jnp.int32)
+        return stored, hash64.split(words[..., _HASH]), bits, tuple(plan[..., c] for c in (0, 1, 2, 3, 5))
+
+    def bits(self) -> jax.Array:
+        """i32[halves, capacity] the verify bits of every plan entry."""
+        words = self.words[self.num_reqs + self.num_tokens :, :, _BITS]
+        return lax.bitcast_convert_type(words.T, jnp.int32)
 
 
-def half(tree, h: int):
-    """Half ``h`` of a pytree stacked by :func:`stack_halves`."""
-    return jax.tree.map(lambda leaf: leaf[h], tree)
+def read_halves(
+    buffers: Sequence[jax.Array],
+    plan: Plan,
+    loc: jax.Array,
+    real_kv_sources: Sequence[Sequence[realkv.RealKvSource]] = (),
+    mode: int = layout.REAL_KV_NONE,
+    check_expected_token: bool | None = None,
+) -> Loaded:
+    """Every read of the canary buffers and the real KV that the phase makes before its writes, in one pass.
+
+    Per entry of the seeds (R), the written tokens ``loc`` (T) and the verify plan (capacity), of every half: the
+    record at its slot (the seed, the written or the verified slot), H() of the slot it hashes (the seed; the
+    predecessor; a token's own slot, unread), the REAL_KV_HASH fold of its slot (with ``real_kv_sources``, one
+    list per half) and, for a verify entry when ``check_expected_token`` is not None, its verify bits. On CPU the
+    pass is one loop over blocks of the seeds, the written tokens and the listed verify entries only
+    (:func:`fusion.leading`); lowered elsewhere, one pass over all of them.
+    """
+    num_reqs, num_tokens, capacity = plan.seed_slot_indices.shape[0], loc.shape[0], plan.slot_indices.shape[0]
+    fold = mode != layout.REAL_KV_NONE and any(real_kv_sources)
+    seeds, tokens = plan.seed_slot_indices, loc
+    none = lambda like, value: jnp.full(like.shape, value, jnp.int32)  # noqa: E731
+    # Per entry: the slot read, the slot hashed (a verify entry's predecessor), the expected token and position,
+    # the plan entry (capacity for a seed or a token: not a verify entry, no bits) and its batch row.
+    table = jnp.stack(
+        [
+            jnp.concatenate(column)
+            for column in (
+                (seeds, tokens, plan.slot_indices),
+                (seeds, tokens, plan.prev_slot_indices),
+                (none(seeds, -1), none(tokens, -1), plan.expected_tokens),
+                (none(seeds, 0), none(tokens, 0), plan.expected_positions),
+                (none(seeds, capacity), none(tokens, capacity), jnp.arange(capacity, dtype=jnp.int32)),
+                (none(seeds, 0), none(tokens, 0), plan.entry_rows),
+            )
+        ],
+        axis=1,
+    )
+
+    def read_block(rows):  # i32[B, 6] entries -> u32[B, halves, 13]
+        slots, hash_slots, tokens, positions, entries = (rows[:, c] for c in range(5))
+        stored = jnp.stack([buf[records.clamp_slots(slots, buf.shape[0])] for buf in buffers])  # [halves, B, 4, 2]
+        chained = jnp.stack([buf[records.clamp_slots(hash_slots, buf.shape[0])] for buf in buffers])
+        chain = records.record_hash(hash_slots, records.fields(chained))
+        real_kv = hash64.const(0, stored[..., 0, 0])
+        if fold:
+            clamped = records.clamp_slots(slots, buffers[0].shape[0])
+            folds = [realkv.fold_slots(sources, clamped, mode) for sources in real_kv_sources]
+            real_kv = tuple(jnp.stack(parts) for parts in zip(*folds, strict=True))
+        bits = jnp.zeros(stored.shape[:2], jnp.int32)
+        if check_expected_token is not None:
+            bits = verify_reference.loaded_bits(
+                records.fields(stored),
+                chain,
+                real_kv,
+                slots,
+                tokens,
+                positions,
+                hash_slots,
+                plan.active,
+                check_expected_token=check_expected_token,
+                entries=entries,
+            )
+        words = [stored.reshape(*stored.shape[:2], 8), hash64.join(chain), hash64.join(real_kv), bits[..., None]]
+        words = jnp.concatenate([lax.bitcast_convert_type(w, jnp.uint32) for w in words], axis=-1)
+        return jnp.moveaxis(words, 1, 0)
+
+    words = fusion.leading(read_block, table, num_reqs + num_tokens + plan.active, _BLOCK)
+    return Loaded(words, table, num_reqs, num_tokens)
 
 
 def load_halves(buffers: Sequence[jax.Array], plan: Plan) -> Loaded:
-    """Reads every canary record the phase needs before its writes, and hashes the write chains' seeds and the
-    listed verify entries' predecessors of all halves in one ``mix3`` pass (a loop over the listed entries only)."""
-    stored = jnp.stack([buf[records.clamp_slots(plan.slot_indices, buf.shape[0])] for buf in buffers])
-    stored = fusion.computed_once(stored, plan.active)  # read by the bits and the rows: gathered once
-    num_reqs = plan.seed_slot_indices.shape[0]
-
-    def hash_block(slots):  # i32[B] -> u32[B, halves, 2]
-        loaded = stack_halves([records.load(buf, slots) for buf in buffers])
-        return jnp.moveaxis(hash64.join(records.record_hash(slots, loaded)), 1, 0)
-
-    hashed = jnp.concatenate([plan.seed_slot_indices, plan.prev_slot_indices])
-    hashes = jnp.moveaxis(fusion.leading(hash_block, hashed, num_reqs + plan.active, _BLOCK), 0, 1)
-    seed_position = stack_halves([records.load(buf, plan.seed_slot_indices)[1] for buf in buffers])
-    return Loaded(
-        records.fields(stored),
-        hash64.split(hashes[:, num_reqs:]),
-        hash64.split(hashes[:, :num_reqs]),
-        seed_position,
-    )
+    """:func:`read_halves` of the seeds and the verify plan entries only: the records the rows read and the
+    hashes, without folds or bits (a backend that verifies in its own kernels)."""
+    return read_halves(buffers, plan, jnp.zeros((0,), jnp.int32))
 
 
 def loaded_after(loaded: Loaded) -> jax.Array:
     """A traced int32 zero that orders a store after the phase's reads (:func:`fusion.zero_after`)."""
-    return fusion.zero_after(loaded.stored[0][0]) + fusion.zero_after(loaded.expected_chain[0])
+    return fusion.zero_after(loaded.words)
 
 
 def write_input_bits(batch: common.Batch, written: jax.Array) -> jax.Array:
@@ -203,56 +277,19 @@ def write_input_bits(batch: common.Batch, written: jax.Array) -> jax.Array:
     return bits | jnp.where(bad_position, layout.FAIL_WRITE_POSITION, 0)
 
 
-def fold_halves(real_kv_sources, plan: Plan, loc: jax.Array, mode: int, group_slots: int):
-    """(verify, write): each half's REAL_KV_HASH of the verify plan's slots and of the written slots, u64
-    [halves, capacity] and [halves, T]. One fold per half over both slot lists (a loop over the written and the
-    listed entries only, computed once for its two readers, the verify bits and the store); past the plan's
-    ``active`` entries the verify folds hold unspecified values."""
-    num_tokens, capacity = loc.shape[0], plan.slot_indices.shape[0]
-    if mode == layout.REAL_KV_NONE or not any(real_kv_sources):
-        zero = jnp.zeros((len(real_kv_sources), capacity + num_tokens), jnp.uint32)
-        folds = (zero, zero)
-    else:
-
-        def fold_block(slots):  # i32[B] -> u32[B, halves, 2]
-            return jnp.stack([hash64.join(realkv.fold_slots(sources, slots, mode)) for sources in real_kv_sources], 1)
-
-        slots = records.clamp_slots(jnp.concatenate([loc, plan.slot_indices]), group_slots)
-        folds = hash64.split(jnp.moveaxis(fusion.leading(fold_block, slots, num_tokens + plan.active, _BLOCK), 0, 1))
-    return tuple(f[:, num_tokens:] for f in folds), tuple(f[:, :num_tokens] for f in folds)
-
-
-def verify_bits(loaded: Loaded, real_kv: hash64.U64, plan: Plan, *, check_expected_token: bool) -> jax.Array:
-    """i32[halves, capacity] each half's verify bits of the plan's entries (0 past its ``active`` ones): a loop
-    over the listed entries only, computed once for the row count and the rows."""
-
-    def bits_block(t):  # i32[B] plan entries -> i32[B, halves]
-        at = lambda u: (u[0][:, t], u[1][:, t])  # noqa: E731
-        bits = verify_reference.loaded_bits(
-            tuple(at(field) for field in loaded.stored),
-            at(loaded.expected_chain),
-            at(real_kv),
-            plan.slot_indices[t],
-            plan.expected_tokens[t],
-            plan.expected_positions[t],
-            plan.prev_slot_indices[t],
-            plan.active,
-            check_expected_token=check_expected_token,
-            entries=t,
-        )
-        return bits.T
-
-    entries = jnp.arange(plan.slot_indices.shape[0], dtype=jnp.int32)
-    return fusion.leading(bits_block, entries, plan.active, _BLOCK).T
+def stack_halves(trees):
+    """One pytree from per-half pytrees of equal structure, each leaf stacked on a new leading axis."""
+    return jax.tree.map(lambda *leaves: jnp.stack(leaves), *trees)
 
 
 def walk_halves(loaded: Loaded, plan: Plan, batch: common.Batch, loc, enable_chain_position_assert):
     """The write chains of every half as one batched walk (``write_reference.walk_chain`` over stacked seeds)."""
     num_reqs = jnp.full((1,), batch.req_pool_indices.shape[0], jnp.int32)
     walk = jax.vmap(write_reference.walk_chain, in_axes=(0, 0) + (None,) * 7)
+    seed_hash, seed_position = loaded.seeds()
     return walk(
-        loaded.seed_hash,
-        loaded.seed_position,
+        seed_hash,
+        seed_position,
         plan.write_offsets,
         plan.seed_slot_indices,
         num_reqs,
@@ -273,25 +310,30 @@ class RowSet(NamedTuple):
 
 
 def _tagged(rows: jax.Array, tags: Sequence[int], launch: jax.Array) -> jax.Array:
-    """``rows`` (built with tag 0) with each row's launch tag, ``tags[launch]`` (a tag's high word is 0)."""
-    return rows.at[..., layout.ROW_LAUNCH_TAG, 0].set(jnp.asarray(tags, jnp.uint32)[launch])
+    """``rows`` (built with tag 0) with each row's launch tag, ``tags[launch]`` (a tag's high word is 0), set by an
+    element-wise OR that fuses with the rows' packing (an indexed update would be a kernel of its own)."""
+    field, word = jnp.indices(rows.shape[-2:])
+    at_tag = (field == layout.ROW_LAUNCH_TAG) & (word == 0)
+    return rows | jnp.where(at_tag, jnp.asarray(tags, jnp.uint32)[launch][..., None, None], jnp.uint32(0))
 
 
-def _verify_set(p: Prepared, loaded: Loaded, bits: jax.Array, tags: Sequence[int], check: bool) -> RowSet:
-    """The verify rows of each half (``loaded`` and ``bits`` i32[halves, capacity] stacked, one tag per half)."""
+def _verify_set(
+    p: Prepared, loaded: Loaded, bits: jax.Array | None, halves: Sequence[int], tags: Sequence[int], check: bool
+) -> RowSet:
+    """The verify rows of launches that read half ``halves[j]`` of ``loaded``, one tag each, with fail ``bits``
+    i32[launches, capacity] (None: ``loaded``'s own, read where the rows are built)."""
     batch, plan = p.batch, p.plan
 
     def build(launch, entries):
-        at = lambda u: (u[0][launch, entries], u[1][launch, entries])  # noqa: E731
-        slot, prev = plan.slot_indices[entries], plan.prev_slot_indices[entries]
-        token = plan.expected_tokens[entries] if check else jnp.full_like(entries, -1)
-        stored = tuple(at(field) for field in loaded.stored)
-        fields = common.verify_row(0, slot, prev, stored, at(loaded.expected_chain), token, bits[launch, entries])
-        batch_row = plan.entry_rows[entries]
-        context = ring.row_context(batch.req_pool_indices[batch_row], plan.expected_positions[entries], batch_row)
+        stored, expected_chain, own_bits, at = loaded.verify(jnp.asarray(halves, jnp.int32)[launch], entries)
+        slot, prev, token, position, batch_row = at
+        token = token if check else jnp.full_like(entries, -1)
+        entry_bits = own_bits if bits is None else bits[launch, entries]
+        fields = common.verify_row(0, slot, prev, stored, expected_chain, token, entry_bits)
+        context = ring.row_context(batch.req_pool_indices[batch_row], position, batch_row)
         return _tagged(ring.pack_row(fields), tags, launch), context
 
-    return RowSet(bits != 0, build)
+    return RowSet((loaded.bits() if bits is None else bits) != 0, build)
 
 
 def _write_set(p: Prepared, chain: write_reference.ChainOut, tags: Sequence[int]) -> RowSet:
@@ -301,20 +343,33 @@ def _write_set(p: Prepared, chain: write_reference.ChainOut, tags: Sequence[int]
     input_bits = write_input_bits(batch, chain.written)
     flags = jnp.stack([input_bits != 0, chain.position_assert_failed], axis=-1).reshape(len(tags), -1)
 
+    # Per half and token, every value a row reads (u32): token, position, expected token and position (the
+    # input assert's; the written ones when it is off), slot, request row, input bits, the chain's expected
+    # position and prev hash. One gather of it builds any row.
+    expected_ids, expected_positions = batch.input_ids, batch.positions
+    if batch.expected_input_ids is not None:
+        expected_ids, expected_positions = batch.expected_input_ids, batch.expected_positions
+    token_rows = common.token_row(p.plan.write_offsets, jnp.arange(loc.shape[0], dtype=jnp.int32))
+    request = batch.req_pool_indices[token_rows]
+    shared = jnp.stack([batch.input_ids, batch.positions, expected_ids, expected_positions, loc, request], axis=-1)
+    as_u32 = lambda x: lax.bitcast_convert_type(x.astype(jnp.int32), jnp.uint32)  # noqa: E731 (i32 under x64 too)
+    per_half = [as_u32(input_bits)[..., None], chain.expected_position, chain.prev_hash]
+    shared = jnp.broadcast_to(as_u32(shared), (len(tags), *shared.shape))
+    values = jnp.concatenate([shared, *per_half], axis=-1)
+
     def build(launch, entries):
         i, is_chain_row = entries // 2, entries % 2 == 1
-        token, position = batch.input_ids[i], batch.positions[i]
-        expected_token, input_aux = token, hash64.from_i32(position)
-        if batch.expected_input_ids is not None:
-            expected_token = jnp.where(is_chain_row, token, batch.expected_input_ids[i])
-            input_aux = hash64.from_i32(batch.expected_positions[i])
-        aux = hash64.where(is_chain_row, hash64.split(chain.expected_position[launch, i]), input_aux)
-        bits = jnp.where(is_chain_row, layout.FAIL_WRITE_POSITION, input_bits[launch, i])
-        prev_hash = hash64.split(chain.prev_hash[launch, i])
-        rows = ring.pack_row(common.write_row(0, loc[i], position, token, expected_token, prev_hash, aux, bits))
-        batch_row = common.token_row(p.plan.write_offsets, i)
+        at = values[launch, i]
+        token, position, expected_id, expected_position, slot, request, input_bit = (
+            lax.bitcast_convert_type(at[..., c], jnp.int32) for c in range(7)
+        )
+        expected_token = jnp.where(is_chain_row, token, expected_id)
+        aux = hash64.where(is_chain_row, hash64.split(at[..., 7:9]), hash64.from_i32(expected_position))
+        bits = jnp.where(is_chain_row, layout.FAIL_WRITE_POSITION, input_bit)
+        prev_hash = hash64.split(at[..., 9:11])
+        rows = ring.pack_row(common.write_row(0, slot, position, token, expected_token, prev_hash, aux, bits))
         aux_i32 = lax.bitcast_convert_type(aux[0], jnp.int32)
-        return _tagged(rows, tags, launch), ring.row_context(batch.req_pool_indices[batch_row], aux_i32, i)
+        return _tagged(rows, tags, launch), ring.row_context(request, aux_i32, i)
 
     return RowSet(flags, build)
 
@@ -364,11 +419,11 @@ def prepare(
     return Prepared(batch, plan, loc, pending)
 
 
-def verify_rows(p: Prepared, loaded: Loaded, bits: jax.Array, tag: int, check: bool, capacity: int):
-    """The pending verify launch ``(RowSet, 0)`` of one half, from its ``loaded`` records and fail ``bits``
+def verify_rows(p: Prepared, loaded: Loaded, h: int, bits: jax.Array, tag: int, check: bool, capacity: int):
+    """The pending verify launch ``(RowSet, 0)`` of half ``h``, from its ``loaded`` records and fail ``bits``
     (``capacity``, the ring's, is :func:`finish`'s to apply)."""
     del capacity
-    return _verify_set(p, stack_halves([loaded]), bits[None], (tag,), check), 0
+    return _verify_set(p, loaded, bits[None], (h,), (tag,), check), 0
 
 
 def write_rows(p: Prepared, chain: write_reference.ChainOut, tag: int, capacity: int):
@@ -442,17 +497,15 @@ def phase(
     """
     p = prepare(buffers, log, batch, input_issues, spec)
     batch, plan, loc = p.batch, p.plan, p.loc
-    group_slots = buffers[0].shape[0]
-    loaded = load_halves(buffers, plan)
-    verify_kv, write_kv = fold_halves(real_kv_sources, plan, loc, spec.real_kv_hash_mode, group_slots)
-    bits = verify_bits(loaded, verify_kv, plan, check_expected_token=batch.token_ids is not None)
+    check = batch.token_ids is not None
+    loaded = read_halves(buffers, plan, loc, real_kv_sources, spec.real_kv_hash_mode, check)
     chains = walk_halves(loaded, plan, batch, loc, enable_chain_position_assert)
-    verify = _verify_set(p, loaded, bits, spec.tags, batch.token_ids is not None)
+    verify = _verify_set(p, loaded, None, range(len(buffers)), spec.tags, check)
     write = _write_set(p, chains, spec.tags)
     target = loc + loaded_after(loaded)  # the stores wait for every record the rows read from the buffers
     written = chains.written[0]  # the halves' chains write the same tokens: one last-writer pass serves both
     new_buffers = [
-        store.store(buf, target, batch.input_ids, batch.positions, prev_hash, half(write_kv, h), written)
+        store.store(buf, target, batch.input_ids, batch.positions, prev_hash, loaded.write_kv(h), written)
         for h, (buf, prev_hash) in enumerate(zip(buffers, chains.prev_hash, strict=True))
     ]
     pending = list(p.pending) + [(rows, h) for h in range(len(buffers)) for rows in (verify, write)]

@@ -137,6 +137,7 @@ def walk_chain(
     check_position = position_checked(seed_slot_indices, count, enable_chain_position_assert)
     block_size = chain_block()
     lanes = jnp.arange(block_size)
+    tokens = jnp.stack([out_cache_loc, input_ids, positions], axis=-1)  # one gather per loop step reads all three
 
     def block(k, carry):
         running, out = carry  # running: u32[4, R] (hash lo, hash hi, position lo, position hi) of each request
@@ -144,7 +145,8 @@ def walk_chain(
         covered = offset < count[:, None]
         entry = jnp.where(covered, start[:, None] + offset, num_tokens)  # sentinel T is dropped below
         safe = jnp.minimum(entry, num_tokens - 1)
-        slot, token, position = out_cache_loc[safe], input_ids[safe], positions[safe]
+        read = tokens[safe]
+        slot, token, position = read[..., 0], read[..., 1], read[..., 2]
         live = covered & (slot >= 0)
         # history[j] = the running state before entry j, u32[B, 4, R]. Routing every step through it keeps XLA
         # from fusing the unrolled chain into one expression: XLA:CPU re-emits shared subexpressions of a fused
