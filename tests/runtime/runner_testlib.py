@@ -61,9 +61,22 @@ def _tiny_step(params, kv_cache, canary_state, batch):
 TINY_STEP = jax.jit(_tiny_step, donate_argnums=(1, 2))
 
 
-def tiny_setup(seed: int = 0) -> loop.DemoSetup:
-    """A tiny DemoSetup whose step is jitted once per session (chex-asserted)."""
-    return dataclasses.replace(tiny_build(seed), step_fn=TINY_STEP)
+def _eager(fn):
+    def run(*args):
+        # Op by op: loops run as Python loops instead of compiling a fresh while-loop on every call.
+        with jax.disable_jit():
+            return fn(TINY_CANARY, TINY_LAYOUT, *args)
+
+    return run
+
+
+def tiny_setup(seed: int = 0, *, eager: bool = False) -> loop.DemoSetup:
+    """A tiny DemoSetup whose step is jitted once per session (chex-asserted), or whose step and sweep run eagerly."""
+    setup = tiny_build(seed)
+    if eager:
+        sweep = lambda canary, layout, state, plan, kv: canary.sweep(state, plan, loop.kv_sources(canary, layout, kv))  # noqa: E731
+        return dataclasses.replace(setup, step_fn=_eager(loop.demo_step), sweep_fn=_eager(sweep))
+    return dataclasses.replace(setup, step_fn=TINY_STEP)
 
 
 def demo_setup(seed: int = 0) -> loop.DemoSetup:
