@@ -4,12 +4,13 @@ A TPU kernel reaches HBM only by DMA, and its vector unit works on (8, 128) tile
 kernels therefore lay a block of ``rows * 128`` entries out as ``[rows, 128]`` (entry ``e`` at ``(e >> 7, e & 127)``):
 
   * each entry's record, and each entry's window of KV bytes, is DMA'd from HBM into the entry's own row of a VMEM
-    scratch, with slot ids read as scalars from SMEM (scalar prefetch); records of consecutive slots in consecutive
-    entries (a request's tokens in a page) move as one DMA per power of two of their run (:func:`fetch_runs`);
+    scratch, with slot ids read as scalars from SMEM (scalar prefetch); records and KV windows of consecutive slots
+    in consecutive entries (a request's tokens in a page) move as one DMA per power of two of their run
+    (:func:`fetch_runs`);
   * a transpose of the last two axes then turns those rows into "columns": one ``u32[rows, 128]`` vector per
     word, the shape the shared u32-pair hash code (:mod:`pallas_kernels.hash64`) works on.
 
-Every DMA indexes only the leading (untiled) dims of its HBM ref, except the KV window inside a page row; see
+Every DMA indexes only the leading (untiled) dims of its HBM ref, except the KV window inside a token's row; see
 :func:`kv_copies`. Nothing here is 64-bit: 8-byte KV elements are viewed as u32 pairs before the kernel.
 """
 
@@ -36,20 +37,16 @@ _UINT = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}
 
 @dataclasses.dataclass(frozen=True)
 class KvWindow:
-    """Where a slot's folded bytes sit in a source's kernel view (:func:`kv_view`), in view elements.
+    """Where a slot's folded bytes sit in its row of a source's kernel view (:func:`kv_view`), in view elements.
 
     Attributes:
-      page_size: token slots per page row.
-      token_elements: elements of one token (``num_bytes_per_token / itemsize``).
       elements: elements DMA'd per slot: 16 bytes in PARTIAL mode, ``read_bytes`` in ALL mode.
       itemsize: bytes per view element (1, 2 or 4).
       offset: elements from the token's start to its first folded byte (``byte_offset / itemsize``).
-      segment: elements per DMA; ``elements / segment`` DMAs per slot.
+      segment: elements per DMA; ``elements / segment`` DMAs per run of slots.
       stride: elements between the starts of consecutive segments in the token.
     """
 
-    page_size: int
-    token_elements: int
     elements: int
     itemsize: int
     offset: int = 0
@@ -58,12 +55,10 @@ class KvWindow:
 
 
 def kv_window(source: realkv.RealKvSource, mode: int) -> KvWindow:
-    itemsize = min(4, jnp.dtype(source.data.dtype).itemsize)  # 8-byte elements are viewed as u32 pairs
+    itemsize = _view_itemsize(source.data.dtype)
     nbytes = layout.REAL_KV_CHUNK_BYTES * realkv.num_chunks(source, mode)
     segment = min(nbytes, source.segment_bytes)  # PARTIAL: the first 16 bytes, inside the first segment
     return KvWindow(
-        source.page_size,
-        source.num_bytes_per_token // itemsize,
         nbytes // itemsize,
         itemsize,
         offset=source.byte_offset // itemsize,
@@ -72,18 +67,30 @@ def kv_window(source: realkv.RealKvSource, mode: int) -> KvWindow:
     )
 
 
-def kv_view(data: jax.Array) -> jax.Array:
-    """A source as unsigned ints ``u{8,16,32}[pages, row_elements]``: the bytes the kernel DMAs, never floats.
+def _view_itemsize(dtype) -> int:
+    return min(4, jnp.dtype(dtype).itemsize)  # 8-byte elements are viewed as u32 pairs
 
-    Same-width bitcasts are free; reading the bits as unsigned ints also keeps float payloads (signalling NaNs)
-    untouched by interpret mode. 8-byte elements become little-endian u32 pairs, a copy, because Mosaic has no
-    64-bit types. A 2-D source is a free view; XLA may relayout (copy) a source of more dims on TPU.
+
+def kv_view(source: realkv.RealKvSource) -> jax.Array:
+    """A source as unsigned ints ``u{8,16,32}[token_slots, token_elements]``: row ``s`` is slot ``s``'s token, so
+    the KV windows of consecutive slots are one rectangle, even across pages, and one DMA moves a run of them.
+
+    Slot ``s`` is token ``s % page_size`` of page ``s // page_size``, i.e. row ``s`` of the pages' tokens laid end
+    to end. Same-width bitcasts are free; reading the bits as unsigned ints also keeps float payloads (signalling
+    NaNs) untouched by interpret mode. 8-byte elements become little-endian u32 pairs, a copy, because Mosaic has no
+    64-bit types; so does a page row longer than its tokens (its tail is cut off). A source of exactly
+    ``[pages, page_size * token_elements]`` is a free view; XLA may relayout (copy) one of more dims on TPU.
     """
+    data = source.data
     rows = data.reshape(data.shape[0], math.prod(data.shape[1:]))
     itemsize = jnp.dtype(rows.dtype).itemsize
     if itemsize == 8:
-        return lax.bitcast_convert_type(rows, jnp.uint32).reshape(rows.shape[0], 2 * rows.shape[1])
-    return lax.bitcast_convert_type(rows, _UINT[itemsize])
+        rows = lax.bitcast_convert_type(rows, jnp.uint32).reshape(rows.shape[0], 2 * rows.shape[1])
+    else:
+        rows = lax.bitcast_convert_type(rows, _UINT[itemsize])
+    token_elements = source.num_bytes_per_token // _view_itemsize(data.dtype)
+    tokens = rows[:, : source.page_size * token_elements] if rows.shape[1] > source.page_size * token_elements else rows
+    return tokens.reshape(source.num_token_slots, token_elements)
 
 
 def lane_dense(x: jax.Array, num_rows: int) -> jax.Array:
@@ -182,15 +189,13 @@ def fetch_runs(
     read: Callable[[jax.Array], tuple[jax.Array, jax.Array]],
     starts: Callable[[jax.Array, jax.Array, int], None],
     fetch: Callable[[jax.Array], None],
-    each: Callable[[jax.Array, jax.Array, jax.Array], None] | None = None,
 ) -> jax.Array:
-    """Starts the record DMAs of entries ``0 .. count - 1`` in pieces, and returns how many predecessors it fetched.
+    """Starts the DMAs of entries ``0 .. count - 1`` in pieces, and returns how many predecessors it fetched.
 
     From each piece's first entry ``e``, ``read(e)`` gives its run (:func:`runs`) and its slot; the piece is the
-    run's largest power of two within ``count`` (``size``: static in ``starts(e, slot, size)``, traced in
-    ``each(e, slot, size)``), and ``fetch(e)`` runs where the run's first entry fetches its predecessor. A run of
-    ``n`` consecutive records is one DMA per set bit of ``n``, and two SMEM reads per piece, instead of a DMA and
-    a slot id per entry.
+    run's largest power of two within ``count`` (``size``, static in ``starts(e, slot, size)``), and ``fetch(e)``
+    runs where the run's first entry fetches its predecessor. A run of ``n`` consecutive slots is one DMA per set
+    bit of ``n`` and buffer, and two SMEM reads per piece, instead of a DMA and a slot id per entry.
     """
 
     def piece(carry):
@@ -207,31 +212,25 @@ def fetch_runs(
 
             size = jnp.where(fits, jnp.int32(1 << k), size)
         pl.when(fetching)(lambda: fetch(e))
-        if each is not None:
-            each(e, slot, size)
         return e + size, fetched + fetching.astype(jnp.int32)
 
     return lax.while_loop(lambda c: c[0] < count, piece, (jnp.int32(0), jnp.int32(0)))[1]
 
 
-def kv_copies(kv_hbm, window: KvWindow, slot: jax.Array, kv_ref, e: jax.Array, sem) -> list:
-    """DMAs of slot ``slot``'s folded bytes from its page row of ``kv_hbm`` into entry ``e``'s row of ``kv_ref``.
+def kv_copies(kv_hbm, window: KvWindow, slot: jax.Array, kv_ref, e: jax.Array, sem, count: int = 1) -> list:
+    """DMAs of the folded bytes of slots ``slot .. slot + count - 1`` from their rows of ``kv_hbm`` (:func:`kv_view`)
+    into entries ``e .. e + count - 1`` of ``kv_ref`` (``[rows, 128, elements]``), which must share a 128-lane row.
 
-    One DMA per segment of the source (one for a contiguous source), packed end to end in the window, so the
-    window holds exactly the folded bytes in fold order. ``slot`` must be non-negative (clamped), so ``lax.div`` /
-    ``lax.rem`` are the floor division of the spec. A segment starts ``(slot % page_size) * token_elements +
-    offset + k * stride`` into the row: 16-byte aligned, but not tile aligned unless ``page_size == 1``.
+    One DMA per segment of the source (one for a contiguous source), packed end to end in each entry's window, so
+    the window holds exactly the folded bytes in fold order. The slots must be in range (clamped). A segment starts
+    ``offset + k * stride`` into the token's row: 16-byte aligned, but not tile aligned.
     """
-    page, start = slot, jnp.int32(window.offset)
-    if window.page_size > 1:
-        page = lax.div(slot, jnp.int32(window.page_size))
-        start = start + lax.rem(slot, jnp.int32(window.page_size)) * jnp.int32(window.token_elements)
     segment = window.segment or window.elements
     stride = window.stride or segment
-    dst = _at(kv_ref, e)
+    dst = kv_ref.at[e >> _LANE_BITS, pl.ds(e & (LANES - 1), count)]  # e >= 0: arithmetic shift is exact
     copies = []
     for k in range(window.elements // segment):
-        src = kv_hbm.at[pl.ds(page, 1), pl.ds(start + k * stride, segment)]
+        src = kv_hbm.at[pl.ds(slot, count), pl.ds(window.offset + k * stride, segment)]
         part = dst if segment == window.elements else dst.at[:, pl.ds(k * segment, segment)]
         copies.append(pltpu.make_async_copy(src, part, sem))
     return copies

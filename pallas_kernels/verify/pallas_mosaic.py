@@ -45,8 +45,8 @@ def _verify_kernel(
     prev_v_ref,  # i32[rows, 128]
     token_v_ref,  # i32[rows, 128]
     position_v_ref,  # i32[rows, 128]
-    *refs,  # per buffer: its records u32[num_slots, 4, 2] in HBM; then every buffer's KV views u{8,16,32}[pages,
-    # row] in HBM; one out i32[rows, 128] per buffer; then the scratch (below)
+    *refs,  # per buffer: its records u32[num_slots, 4, 2] in HBM; then every buffer's KV views u{8,16,32}[slots,
+    # token] in HBM; one out i32[rows, 128] per buffer; then the scratch (below)
     specs: tuple[tuple[realkv.RealKvSource, ...], ...],
     mode: int,
     check_expected_token: bool,
@@ -55,8 +55,8 @@ def _verify_kernel(
     get zeros.
 
     The buffers (K and V) share the plan, so each entry's records land in one row of one scratch (stored records
-    at parts ``0 .. H-1``, predecessors at ``H .. 2H-1``). Records of consecutive slots (a request's tokens in a
-    page) are fetched by runs (:func:`mosaic_io.fetch_runs`), and all are waited for at once. A predecessor that
+    at parts ``0 .. H-1``, predecessors at ``H .. 2H-1``). Records and KV windows of consecutive slots (a request's
+    tokens in a page) are fetched by runs (:func:`mosaic_io.fetch_runs`), and all are waited for at once. A predecessor that
     is the previous entry's slot (a request's chain, lane ``e - 1`` of the same row) is not fetched: its record is
     the previous lane's stored one, rolled into place.
     """
@@ -71,18 +71,12 @@ def _verify_kernel(
     count = jnp.clip(num_active_ref[0] - base, 0, rows * LANES)
     rec_sem, kv_sems = mosaic_io.semaphore(sems, 0), [mosaic_io.semaphore(sems, 1 + i) for i in range(len(flat))]
 
-    def records_start(e, slot, size):  # entries e .. e + size - 1: consecutive slots
+    def piece_start(e, slot, size):  # entries e .. e + size - 1: consecutive slots, records and KV windows
         for h, buf in enumerate(bufs_hbm):
             mosaic_io.record_copy(buf, slot, rec_ref, e, rec_sem, part=h, count=size).start()
-
-    def kv_start(e, slot, size):  # the piece's KV windows: one page row's DMA per entry (a run may cross pages)
-        def one(j, carry):
-            for i in range(len(flat)):
-                for copy in mosaic_io.kv_copies(kv_hbm[i], windows[i], slot + j, kv_refs[i], e + j, kv_sems[i]):
-                    copy.start()
-            return carry
-
-        lax.fori_loop(jnp.int32(0), size, one, 0)
+        for i in range(len(flat)):
+            for copy in mosaic_io.kv_copies(kv_hbm[i], windows[i], slot, kv_refs[i], e, kv_sems[i], count=size):
+                copy.start()
 
     def predecessor_start(e):
         prev = records.clamp_slots(prev_ref[base + e], num_slots)
@@ -97,7 +91,7 @@ def _verify_kernel(
     @pl.when(count > 0)
     def _check():
         read = lambda e: (run_ref[base + e], records.clamp_slots(slot_ref[base + e], num_slots))  # noqa: E731
-        fetched = mosaic_io.fetch_runs(count, read, records_start, predecessor_start, kv_start if flat else None)
+        fetched = mosaic_io.fetch_runs(count, read, piece_start, predecessor_start)
         # rows past count keep stale scratch; their bits are masked below
         mosaic_io.wait_entries(rec_ref, count, rec_sem, parts=(0, num_buffers))
         mosaic_io.wait_entries(rec_ref, fetched, rec_sem, parts=(num_buffers, num_buffers))
@@ -177,7 +171,7 @@ def _verify_call(canary_bufs, plan, num_active, views, specs, *, mode, check, ro
 def _forward_of_buffers(canary_bufs, plan, num_active, halves, *, mode, check, interpret, config):
     """The plan in calls of at most ``config.max_entries_per_call`` entries, each checking every buffer."""
     capacity = plan[0].shape[0]
-    views = [[mosaic_io.kv_view(s.data) for s in half] for half in halves]
+    views = [[mosaic_io.kv_view(s) for s in half] for half in halves]
     specs = tuple(kernel_io.source_specs(half) for half in halves)
     active = jnp.clip(jnp.reshape(num_active, ()).astype(jnp.int32), 0, capacity)
     parts = []

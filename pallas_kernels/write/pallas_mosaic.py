@@ -176,7 +176,7 @@ def _store_kernel(
     position_v_ref,  # i32[rows, 128]
     prev_lo_v_ref,  # u32[rows, 128]
     prev_hi_v_ref,  # u32[rows, 128]
-    *refs,  # KV views u{8,16,32}[pages, row] in HBM..., buf in, buf out (u32[num_slots, 4, 2], aliased), scratch
+    *refs,  # KV views u{8,16,32}[slots, token] in HBM..., buf in, buf out (u32[num_slots, 4, 2], aliased), scratch
     specs: tuple[realkv.RealKvSource, ...],
     mode: int,
 ):
@@ -261,7 +261,7 @@ def _forward(canary_buf, walk, sources, *, mode, interpret, config):
     prev_hash, expected, flags = _walk(*walk, interpret=interpret)
     written = (flags & _WRITTEN) != 0
     flag = store.last_writer(out_cache_loc, written, canary_buf.shape[0]).astype(jnp.int32)
-    views = [mosaic_io.kv_view(s.data) for s in sources]
+    views = [mosaic_io.kv_view(s) for s in sources]
     entries = (out_cache_loc, flag, input_ids, positions, prev_hash[:, 0], prev_hash[:, 1])
     buf = canary_buf
     for lo in range(0, num_tokens, config.max_entries_per_call):  # static split: SMEM holds one part's slots
