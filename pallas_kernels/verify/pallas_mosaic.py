@@ -55,10 +55,10 @@ def _verify_kernel(
     get zeros.
 
     The buffers (K and V) share the plan, so each entry's records land in one row of one scratch (stored records
-    at parts ``0 .. H-1``, predecessors at ``H .. 2H-1``). Records and KV windows of consecutive slots (a request's
-    tokens in a page) are fetched by runs (:func:`mosaic_io.fetch_runs`), and all are waited for at once. A predecessor that
-    is the previous entry's slot (a request's chain, lane ``e - 1`` of the same row) is not fetched: its record is
-    the previous lane's stored one, rolled into place.
+    at parts ``0 .. H-1``, predecessors at ``H .. 2H-1``). Records and KV windows of consecutive slots (a
+    request's tokens in a page) are fetched by runs (:func:`mosaic_io.fetch_runs`), and all are waited for at once.
+    A predecessor that is the previous entry's slot (a request's chain, lane ``e - 1`` of the same row) is not
+    fetched: its record is the previous lane's stored one, rolled into place.
     """
     num_buffers, flat = len(specs), [s for half in specs for s in half]
     bufs_hbm, rest = refs[:num_buffers], refs[num_buffers:]
