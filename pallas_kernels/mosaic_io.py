@@ -98,6 +98,13 @@ def lane_dense(x: jax.Array, num_rows: int) -> jax.Array:
     return jnp.pad(x, (0, num_rows * LANES - x.shape[0])).reshape(num_rows, LANES)
 
 
+def stacked_block(depth: int, rows: int) -> pl.BlockSpec:
+    """The ``(depth, rows, 128)`` block of grid step ``b`` of an ``[depth, grid * rows, 128]`` stack of
+    :func:`lane_dense` operands: interpret mode copies each blocked operand in (or out) per grid step, so one stack
+    costs one copy where ``depth`` operands cost ``depth``."""
+    return pl.BlockSpec((depth, rows, LANES), lambda b, *_: (0, b, 0))
+
+
 def entry_index(rows: int) -> jax.Array:
     """i32[rows, 128]: each position's entry number within its block."""
     row = lax.broadcasted_iota(jnp.int32, (rows, LANES), 0)
@@ -238,12 +245,12 @@ def kv_copies(kv_hbm, window: KvWindow, slot: jax.Array, kv_ref, e: jax.Array, s
 
 def gather(
     count: jax.Array,
-    starts: Callable[[jax.Array], Sequence],
+    slot_at: Callable[[jax.Array], jax.Array],
+    starts: Callable[[jax.Array, jax.Array], Sequence],
     waits: Callable[[jax.Array], Sequence],
-    when: Callable | None = None,
 ) -> None:
-    """Starts the DMAs ``starts(e)`` of entries ``e < count`` (where ``when(e)``), then waits ``waits(i)`` once per
-    started entry.
+    """Starts the DMAs ``starts(e, slot)`` of entries ``e < count`` whose ``slot = slot_at(e)`` is not negative
+    (one SMEM read per entry), then waits ``waits(i)`` once per started entry.
 
     ``waits(i)`` must consume what one entry's starts signal, semaphore by semaphore (the same descriptors, or
     :func:`row_wait` unions); a wait needs no source address, so the wait loop reads no slot ids from SMEM and
@@ -251,15 +258,12 @@ def gather(
     """
 
     def start(e, started):
-        if when is None:
-            for copy in starts(e):
-                copy.start()
-            return started + 1
-        ok = when(e)
+        slot = slot_at(e)
+        ok = slot >= 0
 
         @pl.when(ok)
         def _():
-            for copy in starts(e):
+            for copy in starts(e, slot):
                 copy.start()
 
         return started + ok.astype(jnp.int32)

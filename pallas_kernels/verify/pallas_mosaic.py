@@ -24,7 +24,7 @@ class Config:
     Attributes:
       rows: sublane rows per grid step; a step checks ``rows * 128`` entries on ``u32[rows, 128]`` vectors.
       max_entries_per_call: plan entries per ``pallas_call``; a larger plan is split into several calls, because
-        the slot ids are scalar-prefetched into SMEM (1 MiB per core on v4 and newer), 8 bytes per entry.
+        the slot ids are scalar-prefetched into SMEM (1 MiB per core on v4 and newer), 12 bytes per entry.
     """
 
     rows: int
@@ -37,16 +37,10 @@ def heuristic(capacity: int) -> Config:
 
 
 def _verify_kernel(
-    num_active_ref,  # SMEM i32[1]: active entries of this call
-    slot_ref,  # SMEM i32[n]
-    prev_ref,  # SMEM i32[n]
-    run_ref,  # SMEM i32[n]: mosaic_io.runs of the slots
-    slot_v_ref,  # i32[rows, 128]
-    prev_v_ref,  # i32[rows, 128]
-    token_v_ref,  # i32[rows, 128]
-    position_v_ref,  # i32[rows, 128]
+    scalars_ref,  # SMEM i32[1 + 3n]: active entries of this call; slots, predecessor slots, mosaic_io.runs
+    plan_v_ref,  # i32[4, rows, 128]: slot, predecessor slot, expected token, expected position
     *refs,  # per buffer: its records u32[num_slots, 4, 2] in HBM; then every buffer's KV views u{8,16,32}[slots,
-    # token] in HBM; one out i32[rows, 128] per buffer; then the scratch (below)
+    # token] in HBM; out i32[buffers, rows, 128]; then the scratch (below)
     specs: tuple[tuple[realkv.RealKvSource, ...], ...],
     mode: int,
     check_expected_token: bool,
@@ -63,12 +57,13 @@ def _verify_kernel(
     num_buffers, flat = len(specs), [s for half in specs for s in half]
     bufs_hbm, rest = refs[:num_buffers], refs[num_buffers:]
     kv_hbm, rest = rest[: len(flat)], rest[len(flat) :]
-    out_refs, rec_ref, rest = rest[:num_buffers], rest[num_buffers], rest[num_buffers + 1 :]
+    out_ref, rec_ref, rest = rest[0], rest[1], rest[2:]
     kv_refs, kv_t_refs, sems = rest[: len(flat)], rest[len(flat) : 2 * len(flat)], rest[-1]  # sems: DMA[1 + sources]
     windows = [mosaic_io.kv_window(s, mode) for s in flat]
-    rows, num_slots = out_refs[0].shape[0], bufs_hbm[0].shape[0]
+    rows, num_slots, n = out_ref.shape[1], bufs_hbm[0].shape[0], (scalars_ref.shape[0] - 1) // 3
     base = pl.program_id(0) * (rows * LANES)
-    count = jnp.clip(num_active_ref[0] - base, 0, rows * LANES)
+    count = jnp.clip(scalars_ref[0] - base, 0, rows * LANES)
+    slot_at, prev_at, run_at = (lambda e, k=k: scalars_ref[1 + k * n + base + e] for k in range(3))
     rec_sem, kv_sems = mosaic_io.semaphore(sems, 0), [mosaic_io.semaphore(sems, 1 + i) for i in range(len(flat))]
 
     def piece_start(e, slot, size):  # entries e .. e + size - 1: consecutive slots, records and KV windows
@@ -79,18 +74,17 @@ def _verify_kernel(
                 copy.start()
 
     def predecessor_start(e):
-        prev = records.clamp_slots(prev_ref[base + e], num_slots)
+        prev = records.clamp_slots(prev_at(e), num_slots)
         for h, buf in enumerate(bufs_hbm):
             mosaic_io.record_copy(buf, prev, rec_ref, e, rec_sem, part=num_buffers + h).start()
 
     @pl.when(count == 0)
     def _skip():
-        for out_ref in out_refs:
-            out_ref[...] = jnp.zeros(out_ref.shape, jnp.int32)
+        out_ref[...] = jnp.zeros(out_ref.shape, jnp.int32)
 
     @pl.when(count > 0)
     def _check():
-        read = lambda e: (run_ref[base + e], records.clamp_slots(slot_ref[base + e], num_slots))  # noqa: E731
+        read = lambda e: (run_at(e), records.clamp_slots(slot_at(e), num_slots))  # noqa: E731
         fetched = mosaic_io.fetch_runs(count, read, piece_start, predecessor_start)
         # rows past count keep stale scratch; their bits are masked below
         mosaic_io.wait_entries(rec_ref, count, rec_sem, parts=(0, num_buffers))
@@ -99,12 +93,12 @@ def _verify_kernel(
             mosaic_io.wait_entries(kv_ref, count, sem)
         for kv_ref, kv_t_ref in zip(kv_refs, kv_t_refs, strict=True):
             mosaic_io.transpose_kv(kv_ref, kv_t_ref)
-        slot, prev = slot_v_ref[...], prev_v_ref[...]
+        slot, prev, token, position = (plan_v_ref[k] for k in range(4))
         lane, one = lax.broadcasted_iota(jnp.int32, slot.shape, 1), jnp.int32(1)  # i32: Mosaic rejects an i64 shift
         reused = (lane != 0) & (prev == pltpu.roll(slot, one, 1))  # jnp.roll's direction
         live = (mosaic_io.entry_index(rows) < count) & (slot != layout.PADDING_SLOT)
         first = 0
-        for h, (half, out_ref) in enumerate(zip(specs, out_refs, strict=True)):
+        for h, half in enumerate(specs):
             sources = slice(first, first + len(half))
             first += len(half)
             stored = mosaic_io.record_columns(rec_ref, h)
@@ -116,29 +110,28 @@ def _verify_kernel(
                 stored,
                 records.record_hash(prev, predecessor),
                 prev != 0,  # prev == 0: padding/evicted predecessor, chain unknowable
-                token_v_ref[...] if check_expected_token else None,
-                position_v_ref[...],
+                token if check_expected_token else None,
+                position,
                 realkv.fold_loaded(half, slot, mode, mosaic_io.chunk_loader(kv_t_refs[sources], windows[sources])),
                 check_expected_token=check_expected_token,
             )
-            out_ref[...] = jnp.where(live, bits, 0)
+            out_ref[h] = jnp.where(live, bits, 0)
 
 
 def _verify_call(canary_bufs, plan, num_active, views, specs, *, mode, check, rows, interpret):
     """One ``pallas_call`` over ``n`` plan entries (``num_active`` of them active) of every buffer."""
     slots, tokens, positions, prevs = plan
-    n, block, num_buffers = slots.shape[0], rows * LANES, len(canary_bufs)
+    n, block, num_buffers, num_slots = slots.shape[0], rows * LANES, len(canary_bufs), canary_bufs[0].shape[0]
     grid = pl.cdiv(n, block)
     flat_views = [v for half in views for v in half]
     windows = [mosaic_io.kv_window(s, mode) for half in specs for s in half]
     dense = functools.partial(mosaic_io.lane_dense, num_rows=grid * rows)
-    blocked = pl.BlockSpec((rows, LANES), lambda b, *_: (b, 0))
     in_hbm = pl.BlockSpec(memory_space=pl.ANY)
     grid_spec = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=4,
+        num_scalar_prefetch=1,
         grid=(grid,),
-        in_specs=[blocked] * 4 + [in_hbm] * (num_buffers + len(flat_views)),
-        out_specs=[blocked] * num_buffers,
+        in_specs=[mosaic_io.stacked_block(4, rows)] + [in_hbm] * (num_buffers + len(flat_views)),
+        out_specs=mosaic_io.stacked_block(num_buffers, rows),
         scratch_shapes=[
             pltpu.VMEM((rows, LANES, 2 * num_buffers, 4, 2), jnp.uint32),  # per buffer: stored, predecessor
             *mosaic_io.kv_scratch(rows, flat_views, windows),
@@ -148,24 +141,18 @@ def _verify_call(canary_bufs, plan, num_active, views, specs, *, mode, check, ro
     kernel = functools.partial(_verify_kernel, specs=specs, mode=mode, check_expected_token=check)
     bits = compat.mosaic_call(
         kernel,
-        out_shape=[jax.ShapeDtypeStruct((grid * rows, LANES), jnp.int32)] * num_buffers,
+        out_shape=jax.ShapeDtypeStruct((num_buffers, grid * rows, LANES), jnp.int32),
         grid_spec=grid_spec,
         name=f"kvcanary_verify_mosaic_{rows=}",
         dimension_semantics=("parallel",),  # blocks are independent
         interpret=interpret,
     )(
-        jnp.reshape(num_active, (1,)),
-        slots,
-        prevs,
-        mosaic_io.runs(slots, prevs, canary_bufs[0].shape[0]),
-        dense(slots),
-        dense(prevs),
-        dense(tokens),
-        dense(positions),
+        jnp.concatenate([jnp.reshape(num_active, (1,)), slots, prevs, mosaic_io.runs(slots, prevs, num_slots)]),
+        jnp.stack([dense(slots), dense(prevs), dense(tokens), dense(positions)]),
         *canary_bufs,
         *flat_views,
     )
-    return [b.reshape(-1)[:n] for b in bits]
+    return list(bits.reshape(num_buffers, -1)[:, :n])
 
 
 def _forward_of_buffers(canary_bufs, plan, num_active, halves, *, mode, check, interpret, config):

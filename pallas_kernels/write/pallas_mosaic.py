@@ -41,7 +41,7 @@ class Config:
     Attributes:
       rows: sublane rows per grid step; a step folds and stores ``rows * 128`` entries on ``u32[rows, 128]``.
       max_entries_per_call: tokens per store ``pallas_call``; more are split into several calls, because each
-        call scalar-prefetches its slots and store flags into SMEM (1 MiB per core on v4 and newer), 8 bytes each.
+        call scalar-prefetches the slots it stores into SMEM (1 MiB per core on v4 and newer), 4 bytes each.
     """
 
     rows: int
@@ -54,13 +54,11 @@ def heuristic(num_tokens: int) -> Config:
 
 
 _INS, _OUTS = 3, 5  # window rows: token, position, loc; prev_hash lo/hi, expected lo/hi, flags
+_REQUEST_FIELDS = 7  # count, start, check, seed hash lo/hi, seed position lo/hi
 
 
 def _chain_kernel(
-    start_ref,  # SMEM i32[R]
-    count_ref,  # SMEM i32[R]
-    seed_ref,  # SMEM u32[4 * R]: per request hash lo, hash hi, position lo, position hi
-    check_ref,  # SMEM i32[R]
+    request_ref,  # SMEM i32[R * 7]: per request count, start, check, seed hash lo/hi, seed position lo/hi (u32 bits)
     ins_hbm,  # i32[windows, 3, 128] in HBM: token, position, loc
     zeros_hbm,  # i32[windows, 5, 128] in HBM, aliased to out_hbm
     out_hbm,  # i32[windows, 5, 128] in HBM: prev_hash lo/hi, expected lo/hi (u32 bits), flags
@@ -78,8 +76,8 @@ def _chain_kernel(
     del zeros_hbm  # only its aliased contents (out_hbm's initial zeros) matter
     sem, u32_bits = mosaic_io.semaphore(sems, 0), functools.partial(lax.bitcast_convert_type, new_dtype=jnp.int32)
     r = pl.program_id(0)
-    start = start_ref[r]
-    end = start + count_ref[r]
+    field = lambda k: request_ref[_REQUEST_FIELDS * r + k]  # noqa: E731
+    count = field(0)
 
     def write_back(held):
         @pl.when(held >= 0)
@@ -103,7 +101,7 @@ def _chain_kernel(
         h, position_prev = reference.advance(h, position_prev, token, position, live)
         return (*h, *position_prev)
 
-    def window(w, carry, check):
+    def window(w, carry, start, end, check):
         held = held_s[0]
 
         @pl.when(w != held)
@@ -122,9 +120,12 @@ def _chain_kernel(
         walk = functools.partial(step, check=check)
         return lax.fori_loop(jnp.maximum(start - first, 0), jnp.minimum(end - first, _WINDOW), walk, carry)
 
-    @pl.when(end > start)
+    @pl.when(count > 0)
     def _walk():
-        seed, walk = tuple(seed_ref[4 * r + j] for j in range(4)), functools.partial(window, check=check_ref[r] != 0)
+        start = field(1)
+        end = start + count
+        seed = tuple(lax.bitcast_convert_type(field(3 + j), jnp.uint32) for j in range(4))
+        walk = functools.partial(window, start=start, end=end, check=field(2) != 0)
         lax.fori_loop(start >> _WINDOW_BITS, ((end - 1) >> _WINDOW_BITS) + 1, walk, seed)  # start, end >= 0
 
     @pl.when(r == pl.num_programs(0) - 1)
@@ -137,12 +138,13 @@ def _walk(start, count, seed_hash, seed_position, check, input_ids, positions, o
     num_tokens, num_reqs = input_ids.shape[0], start.shape[0]
     num_windows = pl.cdiv(num_tokens, _WINDOW)
     dense = functools.partial(mosaic_io.lane_dense, num_rows=num_windows)
-    seeds = jnp.stack([*seed_hash, *seed_position], axis=-1).reshape(-1)  # 1-D: SMEM pads 2-D arrays' last dim
+    seeds = lax.bitcast_convert_type(jnp.stack([*seed_hash, *seed_position], axis=-1), jnp.int32)
+    requests = jnp.concatenate([jnp.stack([count, start, check], axis=-1).astype(jnp.int32), seeds], axis=-1)
     ins = jnp.stack([dense(input_ids), dense(positions), dense(out_cache_loc)], axis=1)
     zeros = jnp.zeros((num_windows, _OUTS, _WINDOW), jnp.int32)
     in_hbm = pl.BlockSpec(memory_space=pl.ANY)
     grid_spec = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=4,
+        num_scalar_prefetch=1,
         grid=(num_reqs,),
         in_specs=[in_hbm] * 2,
         out_specs=in_hbm,
@@ -161,21 +163,17 @@ def _walk(start, count, seed_hash, seed_position, check, input_ids, positions, o
         interpret=interpret,
         # Entries of no request are never visited, and unwritten outputs are garbage (pallas_notes §9, pitfall
         # 8), so the outputs start as aliased zeros (scalar-prefetch operands count in the indices).
-        input_output_aliases={4 + 1: 0},
-    )(start, count, seeds, check.astype(jnp.int32), ins, zeros)
+        input_output_aliases={1 + 1: 0},
+    )(requests.reshape(-1), ins, zeros)  # 1-D: SMEM pads 2-D arrays' last dim
     words = jnp.swapaxes(out, 0, 1).reshape(_OUTS, -1)[:, :num_tokens]
     prev_lo, prev_hi, expected_lo, expected_hi = lax.bitcast_convert_type(words[:4], jnp.uint32)
     return hash64.join((prev_lo, prev_hi)), hash64.join((expected_lo, expected_hi)), words[4]
 
 
 def _store_kernel(
-    loc_ref,  # SMEM i32[n]: out_cache_loc
-    store_ref,  # SMEM i32[n]: 1 where the entry's record is stored (written, last writer, slot in range)
-    end_ref,  # SMEM i32[1]: 1 + the last stored entry (0 if none)
-    token_v_ref,  # i32[rows, 128]
-    position_v_ref,  # i32[rows, 128]
-    prev_lo_v_ref,  # u32[rows, 128]
-    prev_hi_v_ref,  # u32[rows, 128]
+    slot_ref,  # SMEM i32[1 + n]: 1 + the last stored entry (0 if none), then each entry's out_cache_loc where its
+    # record is stored (written, last writer, slot in range), else -1
+    entry_v_ref,  # i32[4, rows, 128]: token, position, prev_hash lo and hi (u32 bits)
     *refs,  # KV views u{8,16,32}[slots, token] in HBM..., buf in, buf out (u32[num_slots, 4, 2], aliased), scratch
     specs: tuple[realkv.RealKvSource, ...],
     mode: int,
@@ -187,38 +185,38 @@ def _store_kernel(
     kv_t_refs = refs[2 * num_sources + 3 : 3 * num_sources + 3]  # u32[rows, window, 128]
     sems = refs[-1]  # DMA[1 + num_sources]
     windows = [mosaic_io.kv_window(s, mode) for s in specs]
-    rows = token_v_ref.shape[0]
+    rows = entry_v_ref.shape[1]
     base = pl.program_id(0) * (rows * LANES)
-    count = jnp.clip(end_ref[0] - base, 0, rows * LANES)  # entries past the last stored one are not visited
-    stored = lambda e: store_ref[base + e] != 0  # noqa: E731
+    count = jnp.clip(slot_ref[0] - base, 0, rows * LANES)  # entries past the last stored one are not visited
+    slot_at = lambda e: slot_ref[1 + base + e]  # noqa: E731
     rec_sem, kv_sems = mosaic_io.semaphore(sems, 0), [mosaic_io.semaphore(sems, 1 + i) for i in range(num_sources)]
 
     if num_sources:  # only stored entries fold: the others' (stale) columns are never written out
         mosaic_io.gather(
             count,
-            lambda e: [
+            slot_at,
+            lambda e, slot: [
                 copy
                 for i in range(num_sources)
-                for copy in mosaic_io.kv_copies(kv_hbm[i], windows[i], loc_ref[base + e], kv_refs[i], e, kv_sems[i])
+                for copy in mosaic_io.kv_copies(kv_hbm[i], windows[i], slot, kv_refs[i], e, kv_sems[i])
             ],
             lambda e: [mosaic_io.row_wait(kv_refs[i], e, kv_sems[i]) for i in range(num_sources)],
-            when=stored,
         )
         for kv_ref, kv_t_ref in zip(kv_refs, kv_t_refs, strict=True):
             mosaic_io.transpose_kv(kv_ref, kv_t_ref)
-    token = token_v_ref[...]
+    token, position, prev_lo, prev_hi = (entry_v_ref[k] for k in range(4))
     record = (
         hash64.from_i32(token),
-        hash64.from_i32(position_v_ref[...]),
-        (prev_lo_v_ref[...], prev_hi_v_ref[...]),
+        hash64.from_i32(position),
+        tuple(lax.bitcast_convert_type(x, jnp.uint32) for x in (prev_lo, prev_hi)),
         realkv.fold_loaded(specs, token, mode, mosaic_io.chunk_loader(kv_t_refs, windows)),
     )
     mosaic_io.store_record_columns(rec_ref, record)
     mosaic_io.gather(
         count,
-        lambda e: [mosaic_io.record_copy(buf_hbm, loc_ref[base + e], rec_ref, e, rec_sem, to_hbm=True)],
+        slot_at,
+        lambda e, slot: [mosaic_io.record_copy(buf_hbm, slot, rec_ref, e, rec_sem, to_hbm=True)],
         lambda e: [mosaic_io.record_copy(buf_hbm, jnp.int32(0), rec_ref, e, rec_sem, to_hbm=True)],  # any slot
-        when=stored,
     )
 
 
@@ -228,14 +226,15 @@ def _store(canary_buf, entries, views, specs, *, mode, rows, interpret):
     n = loc.shape[0]
     grid = pl.cdiv(n, rows * LANES)
     end = jnp.max(jnp.where(flag != 0, jnp.arange(1, n + 1, dtype=jnp.int32), 0), initial=0, keepdims=True)
+    slots = jnp.concatenate([end, jnp.where(flag != 0, loc, -1).astype(jnp.int32)])
+    prev = [lax.bitcast_convert_type(x, jnp.int32) for x in (prev_lo, prev_hi)]
     windows = [mosaic_io.kv_window(s, mode) for s in specs]
     dense = functools.partial(mosaic_io.lane_dense, num_rows=grid * rows)
-    blocked = pl.BlockSpec((rows, LANES), lambda b, *_: (b, 0))
     in_hbm = pl.BlockSpec(memory_space=pl.ANY)
     grid_spec = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=3,
+        num_scalar_prefetch=1,
         grid=(grid,),
-        in_specs=[blocked] * 4 + [in_hbm] * (len(views) + 1),
+        in_specs=[mosaic_io.stacked_block(4, rows)] + [in_hbm] * (len(views) + 1),
         out_specs=in_hbm,
         scratch_shapes=[
             pltpu.VMEM((rows, LANES, 4, 2), jnp.uint32),
@@ -250,8 +249,8 @@ def _store(canary_buf, entries, views, specs, *, mode, rows, interpret):
         name=f"kvcanary_write_store_mosaic_{rows=}",
         dimension_semantics=("parallel",),  # one writer per slot: blocks never touch the same record
         interpret=interpret,
-        input_output_aliases={3 + 4 + len(views): 0},  # the canary buffer, updated in place
-    )(loc, flag, end, dense(token), dense(position), dense(prev_lo), dense(prev_hi), *views, canary_buf)
+        input_output_aliases={1 + 1 + len(views): 0},  # the canary buffer, updated in place
+    )(slots, jnp.stack([dense(x) for x in (token, position, *prev)]), *views, canary_buf)
 
 
 def _forward(canary_buf, walk, sources, *, mode, interpret, config):
