@@ -286,10 +286,10 @@ def record_columns(rec_ref, part: int) -> records.Record:
     return tuple(fields)
 
 
-def store_record_columns(rec_ref, record: records.Record) -> None:
-    """The inverse of :func:`record_columns`: writes ``u32[rows, 128]`` field columns as record rows."""
+def store_record_columns(rec_ref, part: int, record: records.Record) -> None:
+    """The inverse of :func:`record_columns`: writes ``u32[rows, 128]`` field columns as records ``part``."""
     for f, (lo, hi) in enumerate(record):
-        rec_ref[:, :, f, :] = jnp.swapaxes(jnp.stack([lo, hi], axis=1), 1, 2)  # u32[rows, 128, 2]
+        rec_ref[:, :, part, f, :] = jnp.swapaxes(jnp.stack([lo, hi], axis=1), 1, 2)  # u32[rows, 128, 2]
 
 
 def transpose_kv(kv_ref, kv_t_ref) -> None:

@@ -97,6 +97,29 @@ def test_x64_partial_mode_with_eight_byte_source():
         _assert_same(buf, inputs, (realkv.RealKvSource(data, page_size=4), *kv), mode=1)
 
 
+def test_one_walk_and_store_serve_every_buffer():
+    """``write_of_buffers`` (a phase's K and V: one chain launch and one store launch for both) gives each buffer
+    its own ``write`` by the xla path, though the buffers' seeds (so chains and position asserts) and KV sources
+    differ."""
+    buf, inputs, kv = _inputs(9, SOURCES["bf16_p4+i8_p16"])
+    rng = np.random.default_rng(11)
+    other, other_kv = cases.random_buffer(rng, NUM_SLOTS), cases.make_sources(rng, NUM_SLOTS, SOURCES["4_sources"][:1])
+    offsets, seeds, positions = (np.asarray(inputs[k]) for k in (0, 1, 4))
+    continued = seeds >= 0
+    first = positions[np.minimum(offsets[:-1], positions.shape[0] - 1)]  # each request's first position
+    pair = np.stack([first[continued] - 1, 0 * first[continued]], -1).astype(np.uint32)
+    other = other.at[seeds[continued], 1].set(pair)  # its continued chains pass the position assert
+    flag = jnp.ones((1,), jnp.int32)
+    want = [_write(b, inputs, flag, s, mode=1, backend="xla") for b, s in ((buf, kv), (other, other_kv))]
+    got = pallas_mosaic.write_of_buffers(
+        (buf, other), *inputs, flag, real_kv_sources=(kv, other_kv), real_kv_hash_mode=1, interpret=True
+    )
+    chex.assert_trees_all_equal(got, ([w[0] for w in want], [w[1] for w in want]))
+    chains = [w[1] for w in want]
+    assert (chains[0].prev_hash != chains[1].prev_hash).any() and chains[0].written.any()
+    assert (chains[0].position_assert_failed != chains[1].position_assert_failed).any()
+
+
 @settings(max_examples=2, deadline=None, derandomize=True)
 @given(seed=st.integers(0, 2**31 - 1))
 def test_clean_write_then_verify_is_silent(seed):
