@@ -279,17 +279,17 @@ def gather(
 def record_columns(rec_ref, part: int) -> records.Record:
     """The four u64 fields of records ``part`` of ``u32[rows, 128, parts, 4, 2]`` as ``u32[rows, 128]`` (lo, hi)
     columns."""
-    fields = []
+    rec, fields = rec_ref[:, :, part], []  # u32[rows, 128, 4, 2]: one load
     for f in range(layout.CANARY_FIELDS_PER_SLOT):
-        pairs = jnp.swapaxes(rec_ref[:, :, part, f, :], 1, 2)  # u32[rows, 2, 128]: transpose of the last two axes
+        pairs = jnp.swapaxes(rec[:, :, f, :], 1, 2)  # u32[rows, 2, 128]: transpose of the last two axes
         fields.append((pairs[:, 0, :], pairs[:, 1, :]))
     return tuple(fields)
 
 
 def store_record_columns(rec_ref, part: int, record: records.Record) -> None:
     """The inverse of :func:`record_columns`: writes ``u32[rows, 128]`` field columns as records ``part``."""
-    for f, (lo, hi) in enumerate(record):
-        rec_ref[:, :, part, f, :] = jnp.swapaxes(jnp.stack([lo, hi], axis=1), 1, 2)  # u32[rows, 128, 2]
+    pairs = [jnp.swapaxes(jnp.stack([lo, hi], axis=1), 1, 2) for lo, hi in record]  # u32[rows, 128, 2] per field
+    rec_ref[:, :, part] = jnp.stack(pairs, axis=2)  # one store
 
 
 def transpose_kv(kv_ref, kv_t_ref) -> None:
@@ -302,18 +302,19 @@ def chunk_loader(kv_t_refs, windows: Sequence[KvWindow]):
     """The ``load_chunk(source, chunk)`` of :func:`realkv.fold_loaded` over :func:`transpose_kv` scratches.
 
     Word ``k`` of a chunk is ``4 / itemsize`` consecutive little-endian elements, which the transpose put on
-    consecutive sublanes; ``chunk`` is a traced loop index, so the rows are read at a dynamic sublane offset.
+    consecutive sublanes; the chunk's ``16 / itemsize`` sublanes are read as one block, at a dynamic sublane offset
+    (``chunk`` is a traced loop index).
     """
 
     def load_chunk(i: int, chunk: jax.Array) -> tuple[jax.Array, ...]:
         ref, window = kv_t_refs[i], windows[i]
         per_word = 4 // window.itemsize
+        block = ref[:, pl.ds(chunk * (_WORDS_PER_CHUNK * per_word), _WORDS_PER_CHUNK * per_word), :]
         words = []
         for k in range(_WORDS_PER_CHUNK):
-            first = (chunk * _WORDS_PER_CHUNK + k) * per_word
             word = None
             for j in range(per_word):
-                part = ref[:, pl.ds(first + j, 1), :].reshape(ref.shape[0], LANES)
+                part = block[:, k * per_word + j, :]
                 part = part << jnp.uint32(8 * window.itemsize * j) if j else part
                 word = part if word is None else word | part
             words.append(word)
