@@ -2,10 +2,11 @@
 write kernels.
 
 TPU has Mosaic kernels for the verify and write launches, so a phase is the reference's (``reference.phase``)
-with the halves' verify bits, chain walks and stores taken from those kernels (each launch serves every half): the plan, the skipped tokens
-and the ``INVALID_INPUT`` rows are :func:`reference.prepare`'s, the rows are read from the buffers before the
-stores (:func:`reference.verify_rows`, ordered by :func:`reference.loaded_after`), and :func:`reference.finish` places
-every row in one ring update and bumps the counters. The bytes are the reference's.
+with the halves' verify bits, chain walks and stores taken from those kernels, three launches that each serve
+every half: the plan, the skipped tokens and the ``INVALID_INPUT`` rows are :func:`reference.prepare`'s, the rows
+are read from the buffers before the stores (:func:`reference.verify_rows`, ordered by
+:func:`reference.loaded_after`), and :func:`reference.finish` places every row in one ring update and bumps the
+counters. The bytes are the reference's.
 """
 
 from __future__ import annotations

@@ -5,10 +5,10 @@ Two launches, as in ``pallas_triton``, each serving every buffer that shares the
   * ``kvcanary_write_chain_mosaic``: one grid step per request walks its entries in order on the scalar core
     (``mix3`` is not associative), one chain per buffer. The token arrays stay in HBM, stacked as
     ``[windows, 3, 128]``; the walk DMAs each 128-entry window it touches into SMEM (128 i32 are 512 bytes, the
-    smallest HBM-to-SMEM DMA), with the matching window of its outputs (``[windows, 5 * buffers, 128]``). Windows are shared by neighbouring requests, so the
-    grid is sequential ("arbitrary") and the window in SMEM is kept across requests, written back when the walk
-    moves to another.
-    Seeds are hashed before the launch, from the pre-launch buffer.
+    smallest HBM-to-SMEM DMA), with the matching window of its outputs (``[windows, 5 * buffers, 128]``). Windows
+    are shared by neighbouring requests, so the grid is sequential ("arbitrary") and the window in SMEM is kept
+    across requests, written back when the walk moves to another.
+    Seeds are hashed before the launch, from the pre-launch buffers.
   * ``kvcanary_write_store_mosaic``: ``rows * 128`` entries per grid step fold their KV windows on
     ``u32[rows, 128]`` vectors and DMA their records into the aliased buffers. Only each slot's last writer
     (``store.last_writer``, a stable sort) stores, so no two DMAs of a launch hit one slot and the bytes are
