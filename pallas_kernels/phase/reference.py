@@ -143,6 +143,7 @@ def skip_rejected_requests(
 # The u32 words of each entry's ``Loaded.words[entry, half]``: the record read at the entry's slot (its position
 # field at _POSITION), the H() of its hashed slot, the REAL_KV_HASH fold of its slot and its verify bits.
 _RECORD, _POSITION, _HASH, _FOLD, _BITS = slice(0, 8), slice(2, 4), slice(8, 10), slice(10, 12), 12
+_WORDS = _BITS + 1
 
 # Entries read per loop step on CPU: the loop walks the listed entries only (fusion.leading).
 _BLOCK = 64
@@ -252,7 +253,8 @@ def read_halves(
         words = jnp.concatenate([lax.bitcast_convert_type(w, jnp.uint32) for w in words], axis=-1)
         return jnp.moveaxis(words, 1, 0)
 
-    words = fusion.leading(read_block, table, num_reqs + num_tokens + plan.active, _BLOCK)
+    entry = jax.ShapeDtypeStruct((len(buffers), _WORDS), jnp.uint32)
+    words = fusion.leading(read_block, table, num_reqs + num_tokens + plan.active, _BLOCK, entry)
     return Loaded(words, table, num_reqs, num_tokens)
 
 
