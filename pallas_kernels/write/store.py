@@ -8,8 +8,8 @@ import jax.numpy as jnp
 from pallas_kernels import hash64, records
 
 
-# Up to this many entries, last_writer compares every pair (one fused kernel: on CPU each sort or scatter is a
-# kernel of its own to compile); above, it sorts (O(T log T) against O(T^2)).
+# Up to this many entries, last_writer (and the phase's rejected-request check) compares every pair: one fused
+# kernel, where on CPU each sort or scatter is a kernel of its own to compile. Above, it sorts (O(T log T)).
 PAIRWISE_MAX_ENTRIES = 128
 
 
