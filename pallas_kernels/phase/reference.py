@@ -98,7 +98,7 @@ def build_plan(
         prev_slot_indices=jnp.where(used, prev, 0),
         active=jnp.where(overflow, 0, total).astype(jnp.int32),
         enable=jnp.where(overflow, 0, 1).reshape(1).astype(jnp.int32),
-        write_offsets=jnp.concatenate([jnp.zeros((1,), jnp.int32), prefix_sums.inclusive_sum(batch.span_lens)]),
+        write_offsets=prefix_sums.inclusive_sum(jnp.concatenate([jnp.zeros((1,), jnp.int32), batch.span_lens])),
         seed_slot_indices=seed.astype(jnp.int32),
         entry_rows=req.astype(jnp.int32),
         positions=pos,
