@@ -26,9 +26,12 @@ def computed_once(x: jax.Array, index: jax.Array) -> jax.Array:
     return lax.dynamic_slice_in_dim(buf, zero, x.shape[0], 0)
 
 
-def leading(f: Callable[[jax.Array], jax.Array], xs: jax.Array, count: jax.Array, block: int) -> jax.Array:
+def leading(
+    f: Callable[[jax.Array], jax.Array], xs: jax.Array, count: jax.Array, block: int, entry: jax.ShapeDtypeStruct
+) -> jax.Array:
     """``f(xs)`` for the first ``count`` entries of ``xs`` (leading axis ``n``); past them, entries hold ``f``'s
-    values or zeros (an ``f`` that gives 0 past ``count`` gives exact zeros).
+    values or zeros (an ``f`` that gives 0 past ``count`` gives exact zeros). ``entry`` is the shape and dtype of
+    one entry of ``f``'s output (given, so ``f`` is not traced once more only to learn it).
 
     A fixed-capacity list (a verify plan of thousands of entries) is mostly empty in a step: ``f`` runs on blocks
     of ``block`` entries, one loop step per block up to the block holding entry ``count - 1``, so its cost follows
@@ -45,8 +48,7 @@ def leading(f: Callable[[jax.Array], jax.Array], xs: jax.Array, count: jax.Array
     num_blocks = -(-n // block)
 
     def looped(xs, count):
-        out_type = jax.eval_shape(f, xs[:block])
-        out = jnp.zeros((n, *out_type.shape[1:]), out_type.dtype)
+        out = jnp.zeros((n, *entry.shape), entry.dtype)
 
         def step(k, out):
             start = jnp.minimum(k * block, n - block)

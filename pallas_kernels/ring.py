@@ -65,11 +65,12 @@ def place(
             context = jnp.where(fresh[:, None], row_ctx, context)
         return ring, context
 
-    def when_placed(ring, context):
-        return lax.cond((total > 0) & (start < capacity), emit, lambda *x: x, ring, context)
-
-    # Chosen by the platform lowered for: XLA:GPU would copy the conditional's predicate to the host.
-    ring, context = lax.platform_dependent(ring, context, cpu=when_placed, tpu=when_placed, default=emit)
+    # The predicate is chosen by the platform lowered for (the rows are traced once, not once per platform):
+    # always true on GPU, where XLA folds the conditional away (it would copy its predicate to the host).
+    taken = (total > 0) & (start < capacity)
+    same = lambda taken: taken  # noqa: E731 (one branch for CPU and TPU)
+    taken = lax.platform_dependent(taken, cpu=same, tpu=same, default=jnp.ones_like)
+    ring, context = lax.cond(taken, emit, lambda *x: x, ring, context)
     index = start + jnp.minimum(total, _INT32_MAX - start)
     return ring, context, index.reshape(1).astype(jnp.int32)
 

@@ -26,6 +26,11 @@ from pallas_kernels.verify import reference as verify_reference
 from pallas_kernels.write import reference as write_reference
 from pallas_kernels.write import store
 
+# Up to this many batch rows, build_plan finds each entry's row by comparing it with every row's start (a
+# reduction XLA:CPU compiles as one kernel), not by a binary search (a chain of gathers, each a kernel).
+_COMPARE_ALL_MAX_ROWS = 32
+
+
 class Plan(NamedTuple):
     """The verify and write plans of one phase (as ``kvcanary_jax.build_plans`` builds them, capacity = R)."""
 
@@ -60,7 +65,8 @@ def build_plan(
     num_valid = jnp.where(overflow, capacity, total)
 
     t = jnp.arange(capacity, dtype=jnp.int32)
-    req = jnp.clip(jnp.searchsorted(starts, t, side="right", method="scan_unrolled") - 1, 0, num_reqs - 1)
+    method = "compare_all" if num_reqs <= _COMPARE_ALL_MAX_ROWS else "scan_unrolled"
+    req = jnp.clip(jnp.searchsorted(starts, t, side="right", method=method) - 1, 0, num_reqs - 1)
     pos = common.window_start(prefix, window)[req] + t - starts[req]
     row = rpi[req]
     raw = rtt[row, jnp.clip(pos, 0, max_context - 1)]
@@ -92,7 +98,7 @@ def build_plan(
         prev_slot_indices=jnp.where(used, prev, 0),
         active=jnp.where(overflow, 0, total).astype(jnp.int32),
         enable=jnp.where(overflow, 0, 1).reshape(1).astype(jnp.int32),
-        write_offsets=jnp.concatenate([jnp.zeros((1,), jnp.int32), prefix_sums.inclusive_sum(batch.span_lens)]),
+        write_offsets=prefix_sums.inclusive_sum(jnp.concatenate([jnp.zeros((1,), jnp.int32), batch.span_lens])),
         seed_slot_indices=seed.astype(jnp.int32),
         entry_rows=req.astype(jnp.int32),
         positions=pos,
@@ -136,13 +142,17 @@ def skip_rejected_requests(
     covered = t < write_offsets[-1]
     row = common.token_row(write_offsets, t)
     rejected = covered & common.slot_rejected(loc, gather_lut, lut_size, full_slots=full_slots, group_slots=group_slots)
-    rejects = jnp.zeros(batch.span_lens.shape, jnp.int32).at[row].max(rejected.astype(jnp.int32))
-    return jnp.where(covered & (batch.active[row] != 0) & (rejects[row] == 0), loc, -1)
+    if loc.shape[0] <= store.PAIRWISE_MAX_ENTRIES:  # a few tokens: compare every pair (one fused kernel)
+        row_rejected = jnp.any(rejected[None, :] & (row[None, :] == row[:, None]), axis=1)
+    else:
+        row_rejected = jnp.zeros(batch.span_lens.shape, jnp.int32).at[row].max(rejected.astype(jnp.int32))[row] != 0
+    return jnp.where(covered & (batch.active[row] != 0) & ~row_rejected, loc, -1)
 
 
 # The u32 words of each entry's ``Loaded.words[entry, half]``: the record read at the entry's slot (its position
 # field at _POSITION), the H() of its hashed slot, the REAL_KV_HASH fold of its slot and its verify bits.
 _RECORD, _POSITION, _HASH, _FOLD, _BITS = slice(0, 8), slice(2, 4), slice(8, 10), slice(10, 12), 12
+_WORDS = _BITS + 1
 
 # Entries read per loop step on CPU: the loop walks the listed entries only (fusion.leading).
 _BLOCK = 64
@@ -252,7 +262,8 @@ def read_halves(
         words = jnp.concatenate([lax.bitcast_convert_type(w, jnp.uint32) for w in words], axis=-1)
         return jnp.moveaxis(words, 1, 0)
 
-    words = fusion.leading(read_block, table, num_reqs + num_tokens + plan.active, _BLOCK)
+    entry = jax.ShapeDtypeStruct((len(buffers), _WORDS), jnp.uint32)
+    words = fusion.leading(read_block, table, num_reqs + num_tokens + plan.active, _BLOCK, entry)
     return Loaded(words, table, num_reqs, num_tokens)
 
 

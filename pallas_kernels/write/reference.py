@@ -153,11 +153,14 @@ def walk_chain(
         # chain, which cost 0.5 s per block at B=4 (optimization_barrier is expanded before fusion on CPU, so it
         # cannot help). The traced ``zero`` stops the simplifier from folding the store/load pair away. The state
         # stays one array, so one fusion computes each step's hash, not one per field read.
-        history = jnp.zeros((block_size, 4, count.shape[0]), jnp.uint32)
+        # With one entry a step (CPU) there is no chain to keep apart: the history is the state the step starts from.
+        history = running[None] if block_size == 1 else jnp.zeros((block_size, 4, count.shape[0]), jnp.uint32)
         zero = jnp.minimum(k, 0)
         for j in range(block_size):  # straight-line: the serial dependency stays inside one loop step
-            history = lax.dynamic_update_index_in_dim(history, running, j + zero, 0)
-            state = lax.dynamic_index_in_dim(history, j + zero, 0, keepdims=False)
+            state = running
+            if block_size > 1:
+                history = lax.dynamic_update_index_in_dim(history, running, j + zero, 0)
+                state = lax.dynamic_index_in_dim(history, j + zero, 0, keepdims=False)
             h, pos_prev = advance((state[0], state[1]), (state[2], state[3]), token[:, j], position[:, j], live[:, j])
             running = jnp.stack([*h, *pos_prev])
         history = jnp.transpose(history, (2, 0, 1))  # [R, B, 4]

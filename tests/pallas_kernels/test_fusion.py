@@ -28,7 +28,8 @@ def test_leading_computes_the_first_count_entries(count):
     xs = jnp.arange(10, dtype=jnp.int32) * 7 + 1
     f = lambda x: hash64.join(hash64.splitmix64(hash64.from_i32(x)))  # noqa: E731
 
-    out = jax.jit(lambda xs, n: fusion.leading(f, xs, n, 4))(xs, jnp.int32(count))  # 3 blocks of 4: a loop on CPU
+    entry = jax.ShapeDtypeStruct((2,), jnp.uint32)  # one entry of f's output
+    out = jax.jit(lambda xs, n: fusion.leading(f, xs, n, 4, entry))(xs, jnp.int32(count))  # 3 blocks of 4: a loop
     assert out.shape == (10, 2)
     np.testing.assert_array_equal(np.asarray(out)[:count], np.asarray(f(xs))[:count])
 

@@ -11,6 +11,7 @@ import pytest
 
 from pallas_kernels import layout
 from pallas_kernels.phase import api, common, pallas_triton, reference
+from pallas_kernels.write import store
 from tests.pallas_kernels import kernel_cases as cases
 from tests.pallas_kernels.phase_cases import RING_STARTS, Shape, make_case
 
@@ -196,6 +197,29 @@ def test_skip_bad_requests_writes_nothing_for_rejected_requests(name):
         by_hand = (*args[:2], dataclasses.replace(batch, out_cache_loc=jnp.asarray(loc)), *args[3:])
         want = _phase(*by_hand, tags=tags, shape=shape, backend="xla", full_slots=full_slots)
         chex.assert_trees_all_equal(got, want)
+    assert rejections > 0, "the cases must hold requests with a slot the group cannot store"
+
+
+@pytest.mark.parametrize("pairwise_max", [0, store.PAIRWISE_MAX_ENTRIES])
+def test_skip_rejected_requests_by_pairs_or_by_scatter(monkeypatch, pairwise_max):
+    """Both forms of the rejected-request check (every token pair for a few tokens, a scatter for more) skip the
+    tokens the by-hand rule skips (eager: no compile)."""
+    monkeypatch.setattr(store, "PAIRWISE_MAX_ENTRIES", pairwise_max)
+    shape = VARIANTS["head_kv_input_assert_table"]
+    rejections = 0
+    for seed in range(3):
+        buffers, _, batch, *_ = make_case(30 + seed, shape, ring_start="empty", roles=True, masked=False)
+        batch = common.with_roles(common.pad_tokens(batch))  # as the phase sees it
+        group_slots = buffers[0].shape[0]
+        offsets = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(batch.span_lens, dtype=jnp.int32)])
+        lut, lut_size = common.lut_reader(batch.full_to_swa_index_mapping)
+        got = reference.skip_rejected_requests(
+            batch, offsets, lut, lut_size, full_slots=shape.num_slots, group_slots=group_slots
+        )
+        want, rejected = _skipped_by_hand(batch, full_slots=shape.num_slots, group_slots=group_slots)
+        covered = np.arange(want.shape[0]) < int(offsets[-1])  # tokens past every span are skipped too
+        np.testing.assert_array_equal(np.asarray(got), np.where(covered, want, -1))
+        rejections += rejected
     assert rejections > 0, "the cases must hold requests with a slot the group cannot store"
 
 

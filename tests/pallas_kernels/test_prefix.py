@@ -9,10 +9,12 @@ from jax import export
 from pallas_kernels import prefix
 
 
-@pytest.mark.parametrize("n", [0, 1, 5, 4096 + 3])
+@pytest.mark.parametrize("n", [0, 1, 5, prefix.PAIRWISE_MAX_ENTRIES, prefix.PAIRWISE_MAX_ENTRIES + 1, 4096 + 3])
 def test_equals_cumsum(n):
-    x = np.random.default_rng(n).integers(-50, 50, n).astype(np.int32)
-    np.testing.assert_array_equal(np.asarray(jax.jit(prefix.inclusive_sum)(jnp.asarray(x))), np.cumsum(x))
+    """Small and large, with sums that wrap around int32 (as cumsum's do)."""
+    x = np.random.default_rng(n).integers(-(2**31), 2**31, n).astype(np.int32)
+    got = jax.jit(prefix.inclusive_sum)(jnp.asarray(x))
+    np.testing.assert_array_equal(np.asarray(got), np.cumsum(x, dtype=np.int32))
 
 
 @pytest.mark.parametrize("platform", ["cuda", "tpu", "cpu"])

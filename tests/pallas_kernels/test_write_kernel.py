@@ -11,7 +11,7 @@ import pytest
 import kvcanary_jax as kc
 from pallas_kernels import realkv
 from pallas_kernels.verify import api as verify_api
-from pallas_kernels.write import api, pallas_triton
+from pallas_kernels.write import api, pallas_triton, store
 from tests.pallas_kernels import kernel_cases as cases
 
 NUM_SLOTS, NUM_REQS, MAX_LEN = 48, 5, 8
@@ -180,3 +180,17 @@ def test_canary_write_states_identical():
         results[backend] = (out_buf, s)
     chex.assert_trees_all_equal(results["interpret"], results["xla"])
     assert int(results["xla"][1].violation_log.violation_write_index[0]) > 8
+
+
+@pytest.mark.parametrize("num_entries", [9, store.PAIRWISE_MAX_ENTRIES, store.PAIRWISE_MAX_ENTRIES + 1])
+def test_last_writer_is_each_slots_last_valid_entry(num_entries):
+    """The pairwise scan (few entries) and the sort (more) both pick each slot's last valid writer; slots out of
+    range and invalid entries never win."""
+    rng = np.random.default_rng(num_entries)
+    slots = rng.integers(-1, 24, num_entries).astype(np.int32)  # 20..23 are past the 20 slots: dropped
+    valid = rng.random(num_entries) < 0.8
+    want = np.zeros(num_entries, bool)
+    for slot in set(slots[valid & (slots >= 0) & (slots < 20)]):  # -1 wraps in a scatter: the caller skips it
+        want[np.flatnonzero(valid & (slots == slot))[-1]] = True
+    got = np.asarray(jax.jit(store.last_writer, static_argnums=2)(slots, valid, 20)) & (slots >= 0)
+    np.testing.assert_array_equal(got, want)
