@@ -137,20 +137,25 @@ def _walk(inp: tc.Inputs, r, outs, st: tc.Static) -> None:
 
 
 def _check_kernel(*refs, st: tc.Static):
-    """Chain walks (programs < R), then verify blocks: each block's flag count per half (and its table issues);
-    with ``st.run_checks``, then the batch checks' programs."""
+    """Chain walks (programs < R), then verify blocks: each block's flag count per half (and its table issues).
+    With ``st.run_checks``, the batch checks' programs come before them all: started first, their serial loops
+    over the rows overlap the rest instead of ending the launch."""
     inp, (vcount_ref, *outs) = tc.take(refs, st)  # vcount i32[H (+1), B]; see _walk for the chain outputs
     stash_end = 5 + st.has_context
     chain_outs, stash = outs[:4], outs[4:stash_end]  # stash: verify rows u32[H * B * block, 16] (and context)
-    pid, num_reqs, block = pl.program_id(0), st.num_reqs, st.config.verify_block
+    num_reqs, block = st.num_reqs, st.config.verify_block
+    pid = pl.program_id(0)
     if st.run_checks:
+        first = batch_checks.num_programs(st.checks)
 
-        @pl.when(pid >= num_reqs + st.num_blocks)
+        @pl.when(pid < first)
         def _batch_checks():
             row_refs = (inp.rpi, inp.prefix, inp.extend)
-            batch_checks.program(row_refs, inp.loc, None, outs[stash_end:], pid - num_reqs - st.num_blocks, st.checks)
+            batch_checks.program(row_refs, inp.loc, None, outs[stash_end:], pid, st.checks)
 
-    @pl.when(pid < num_reqs)
+        pid = pid - first  # negative for the checks' programs: neither a walk nor a block
+
+    @pl.when((pid >= 0) & (pid < num_reqs))
     def _chain():
         _walk(inp, pid, chain_outs, st)
 
