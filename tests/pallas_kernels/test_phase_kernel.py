@@ -213,15 +213,18 @@ def test_skip_bad_requests_writes_nothing_for_rejected_requests(name):
     assert rejections > 0, "the cases must hold requests with a slot the group cannot store"
 
 
-@pytest.mark.parametrize("padding", ["negative", "reserved"])
-def test_batch_checks_run_by_the_phase(padding):
+def test_batch_checks_run_by_the_phase():
     """With ``batch_checks`` the phase equals the batch checks then the phase with their roles (and, reported,
     their candidates as ``input_issues``), on every backend: the Triton kernels derive the roles in-kernel and
     run the checks' programs in the check launch (default and tiny blocks: looped row chunks)."""
     landed = 0
     tail = VARIANTS["tail_kv_all_token_check"]
-    cases = [(MANY, True, "empty", TINY_BLOCKS), (MANY, True, "almost_full", None), (tail, False, "mid", None)]
-    for seed, (shape, report, start, config) in enumerate(cases):
+    cases = [  # (shape, padding, report, ring start, blocks): one interpret compile each
+        (MANY, "negative", True, "empty", TINY_BLOCKS),
+        (MANY, "reserved", True, "almost_full", None),
+        (tail, "negative", False, "mid", None),
+    ]
+    for seed, (shape, padding, report, start, config) in enumerate(cases):
         *args, tags = make_case(60 + seed, shape, ring_start=start)
         batch = with_bad_rows(args[2], padding, seed)
         kw = dict(tags=tags, shape=shape, full_slots=shape.num_slots, skip_bad_requests=True)
