@@ -286,8 +286,8 @@ def batch_checks_case(num_rows: int, num_tokens: int, seeds=range(3)):
     return run
 
 
-@functools.partial(jax.jit, static_argnames=("tags", "shape", "backend", "skip_bad_requests"))
-def _phase(buffers, log, batch, cpa, sources, *, tags, shape, backend, skip_bad_requests=False):
+@functools.partial(jax.jit, static_argnames=("tags", "shape", "backend", "skip_bad_requests", "batch_checks"))
+def _phase(buffers, log, batch, cpa, sources, *, tags, shape, backend, skip_bad_requests=False, batch_checks=None):
     return phase_api.phase(
         buffers,
         log,
@@ -301,12 +301,35 @@ def _phase(buffers, log, batch, cpa, sources, *, tags, shape, backend, skip_bad_
         token_offset=shape.token_offset,
         check_table=shape.check_table,
         skip_bad_requests=skip_bad_requests,
+        batch_checks=batch_checks,
+        full_slots=shape.num_slots if batch_checks else None,  # the checks' FULL pool
         backend=backend,
     )
 
 
+def phase_checks_case(shape, seeds=range(1)):
+    """The fused phase running the batch checks itself (its HEAD's check launch runs their programs, every
+    program derives the rows' roles) against its jnp reference, on batches with rows the checks reject."""
+
+    def run():
+        details = []
+        for seed in seeds:  # a HEAD (reported checks) and a TAIL, one compile each
+            for padding, report in (("negative", True), ("reserved", False)):
+                *args, tags = phase_cases.make_case(seed, shape, ring_start="mid" if report else "empty")
+                args[2] = phase_cases.with_bad_rows(args[2], padding, seed + int(report))
+                kw = dict(tags=tags, shape=shape, skip_bad_requests=True)
+                checks = phase_api.BatchChecks(padding, report)
+                want = _phase(*args, backend="xla", batch_checks=checks, **kw)
+                got = _phase(*args, backend=BACKEND, batch_checks=checks, **kw)
+                chex.assert_trees_all_equal(got, want)
+                details.append(f"+{int(want[1].write_index[0]) - int(args[1].write_index[0])}")
+        return f"capacity={shape.capacity} tokens={shape.num_tokens}, rows per run: " + " ".join(details)
+
+    return run
+
+
 def phase_case(shape, runs):
-    """The fused phase (three kernels) against its jnp reference: buffers, ring, index, counters, enable.
+    """The fused phase (two kernels) against its jnp reference: buffers, ring, index, counters, enable.
 
     ``runs`` holds ``(seed, make_case keyword arguments)``; primed runs are mostly clean chains whose rows of all
     four launches land in the ring, the others flood it from any starting index; the runner's form (explicit
@@ -448,6 +471,7 @@ def main() -> None:
     if args.quick:
         decode = phase_cases.Shape(num_slots=3000, num_reqs=8, max_len=64, num_tokens=24, capacity=500, **kv)
         case("phase decode (quick)", phase_case(decode, floods + primed + overflow + runner_form))
+        case("phase decode with batch checks (quick)", phase_checks_case(decode))
         case("runner fused vs xla (quick)", runner_paths(4, 64))
     else:
         decode = phase_cases.Shape(
@@ -456,6 +480,7 @@ def main() -> None:
         case(
             "phase decode 256x1K PARTIAL K+V, asserts", phase_case(decode, floods[:3] + primed + overflow + runner_form)
         )
+        case("phase decode 256x1K with batch checks, bad rows", phase_checks_case(decode))
         long = phase_cases.Shape(
             num_slots=600_000,
             num_reqs=64,

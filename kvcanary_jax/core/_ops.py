@@ -49,11 +49,13 @@ def fused_phase(
     input_issues: jax.Array | None,
     verify_overflows: jax.Array | None,
     backend: str,
+    batch_checks: phase_api.BatchChecks | None = None,
 ) -> tuple[CanaryDeviceState, tuple[jax.Array, ...], jax.Array | None]:
     """One HEAD/TAIL phase of a group through the lower layer's fused ``phase`` op (its static arguments:
     ``spec``). Its ``INVALID_INPUT`` rows come first: the caller's ``input_issues`` (i32[8, n]), then, with
     ``spec.check_table``, the cached positions' ``req_to_token`` values. With ``spec.skip_bad_requests``, rows
-    that are not requests and requests with a slot the group cannot store write nothing.
+    that are not requests and requests with a slot the group cannot store write nothing. With ``batch_checks``,
+    the phase runs the batch checks itself (their roles; reported, their candidates are the ``input_issues``).
 
     Same effects as the public single ops run in SGLang's order (verify K, write K, verify V, write V): the ring, index,
     counters and buffers are byte-identical. Returns ``(device, buffers, verify_overflows)``: the i32[1] count
@@ -75,6 +77,7 @@ def fused_phase(
         spec,
         real_kv_sources=real_kv_sources,
         input_issues=input_issues,
+        batch_checks=batch_checks,
         backend=backend,
     )
     device = dataclasses.replace(

@@ -26,7 +26,7 @@ def forward_phase(
     canary: KvCanary,
     state: CanaryState,
     batch: CanaryBatch,
-    rows: batch_checks.Checked,
+    rows: batch_checks.Checked | None,
     g: _pool.Group,
     phase: Phase,
     sources: _pool.KvSources,
@@ -36,7 +36,7 @@ def forward_phase(
     Its effects are SGLang's launch sequence (verify K, write K, verify V, write V), after the HEAD's
     ``INVALID_INPUT`` rows (the batch checks' of this group, then the table's), through the lower layer's
     ``phase`` op on every backend. It skips the requests the checks reject (``skip_bad_requests``) and counts
-    the HEAD's verify overflow.
+    the HEAD's verify overflow. Without ``rows`` (:func:`rows`), the phase runs the batch checks itself.
     """
     head = phase is Phase.HEAD
     pool = state.device.req_to_verify_expected_tokens if canary.config.enable_verify_token_assert else None
@@ -46,9 +46,13 @@ def forward_phase(
         expected_input_ids=batch.expected_input_ids if canary.config.enable_write_input_assert else None,
         token_ids=pool,
         token_ids_lens=None if pool is None else jnp.clip(batch.token_ids_lens, 0, pool.shape[1]),
-        active=rows.active,
-        span_lens=rows.span_lens,
+        active=None if rows is None else rows.active,
+        span_lens=None if rows is None else rows.span_lens,
     )
+    if rows is None:
+        issues, checks = None, phase_api.BatchChecks(canary.pool.padding, report=head)
+    else:
+        issues, checks = (rows.swa_issues if g.window else rows.issues) if head else None, None
     buffers = state.buffers(g)
     device, new_buffers, overflows = _ops.fused_phase(
         state.device,
@@ -56,7 +60,8 @@ def forward_phase(
         phase_batch,
         phase_spec(canary, g, phase),
         real_kv_sources=tuple(sources.get(g, h) for h in canary.halves),
-        input_issues=(rows.swa_issues if g.window else rows.issues) if head else None,
+        input_issues=issues,
+        batch_checks=checks,
         # Only the HEAD phase counts overflows: the TAIL phase rebuilds the identical plan.
         verify_overflows=state.verify_overflows if head else None,
         backend=canary.config.backend,
@@ -82,10 +87,13 @@ def phase_spec(canary: KvCanary, g: _pool.Group, phase: Phase) -> phase_api.Phas
     )
 
 
-def rows(canary: KvCanary, state: CanaryState, batch: CanaryBatch) -> batch_checks.Checked:
+def rows(canary: KvCanary, state: CanaryState, batch: CanaryBatch) -> batch_checks.Checked | None:
     """The batch checks (the lower layer's ``batch_checks`` op; :mod:`._inputs` says what they check): the rows'
     roles and each group's ``INVALID_INPUT`` candidates. The op has no Mosaic kernel: on TPU it runs its jnp
-    reference."""
+    reference. None when no step launch but the phases needs them (one FULL group, no verify-token assert): each
+    phase then runs them itself (on GPU inside its launches, so the step has no launch of its own for them)."""
+    if canary.pool.swa is None and not canary.config.enable_verify_token_assert:
+        return None
     width = state.device.req_to_verify_expected_tokens.shape[1] if canary.config.enable_verify_token_assert else None
     swa, backend = canary.pool.swa, canary.config.backend
     return batch_checks.check(

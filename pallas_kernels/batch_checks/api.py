@@ -54,6 +54,64 @@ def check(
     Raises:
       ValueError, TypeError: for a wrong shape, dtype or static argument, naming it.
     """
+    static = validate(
+        req_pool_indices,
+        prefix_lens,
+        extend_lens,
+        out_cache_loc,
+        token_ids_lens,
+        padding=padding,
+        table_rows=table_rows,
+        context_len=context_len,
+        num_slots=num_slots,
+        token_ids_width=token_ids_width,
+    )
+    lut = full_to_swa_index_mapping
+    if (lut is None) != (swa_num_slots is None):
+        raise ValueError("full_to_swa_index_mapping and swa_num_slots check an SWA group's slots: give both, or neither")
+    if lut is not None:
+        checks.array("full_to_swa_index_mapping", lut, dtype=jnp.int32, ndim=1)
+        swa_num_slots = checks.positive_int("swa_num_slots", swa_num_slots)
+    arrays = (req_pool_indices, prefix_lens, extend_lens, out_cache_loc, token_ids_lens)
+
+    def xla(*arrays):
+        return reference.check(*arrays, **static)
+
+    def triton(*arrays, interpret):
+        if out_cache_loc.shape[0] == 0:  # no token programs, no empty outputs: the jnp checks
+            return xla(*arrays)
+        return pallas_triton.check(*arrays, interpret=interpret, **static)
+
+    checked = backends.dispatch(backend, xla=xla, triton=triton, mosaic=None)(*arrays)
+    if lut is None:
+        return checked
+    swa = reference.swa_issues(
+        checked,
+        req_pool_indices,
+        prefix_lens,
+        out_cache_loc,
+        lut,
+        num_slots=static["num_slots"],
+        swa_num_slots=swa_num_slots,
+    )
+    return checked._replace(swa_issues=swa)
+
+
+def validate(
+    req_pool_indices: jax.Array,
+    prefix_lens: jax.Array,
+    extend_lens: jax.Array,
+    out_cache_loc: jax.Array,
+    token_ids_lens: jax.Array | None = None,
+    *,
+    padding: str,
+    table_rows: int,
+    context_len: int,
+    num_slots: int,
+    token_ids_width: int | None = None,
+) -> dict:
+    """Checks :func:`check`'s arguments (those of the FULL group), naming the one that is wrong; returns the static
+    ones, normalised, as keywords of ``reference.check``. A fused launch that runs the checks calls it too."""
     rows = {"req_pool_indices": req_pool_indices, "prefix_lens": prefix_lens, "extend_lens": extend_lens}
     for name, x in rows.items():
         checks.array(name, x, dtype=jnp.int32, ndim=1)
@@ -78,33 +136,10 @@ def check(
         checks.array("token_ids_lens", token_ids_lens, dtype=jnp.int32, shape=(num_rows,))
     elif token_ids_lens is not None:
         raise ValueError("token_ids_lens is checked against token_ids_width: give both, or neither")
-    lut = full_to_swa_index_mapping
-    if (lut is None) != (swa_num_slots is None):
-        raise ValueError("full_to_swa_index_mapping and swa_num_slots check an SWA group's slots: give both, or neither")
-    if lut is not None:
-        checks.array("full_to_swa_index_mapping", lut, dtype=jnp.int32, ndim=1)
-        swa_num_slots = checks.positive_int("swa_num_slots", swa_num_slots)
-    static = dict(
+    return dict(
         padding=padding,
         table_rows=table_rows,
         context_len=context_len,
         num_slots=num_slots,
         token_ids_width=token_ids_width,
     )
-    arrays = (req_pool_indices, prefix_lens, extend_lens, out_cache_loc, token_ids_lens)
-
-    def xla(*arrays):
-        return reference.check(*arrays, **static)
-
-    def triton(*arrays, interpret):
-        if out_cache_loc.shape[0] == 0:  # no token programs, no empty outputs: the jnp checks
-            return xla(*arrays)
-        return pallas_triton.check(*arrays, interpret=interpret, **static)
-
-    checked = backends.dispatch(backend, xla=xla, triton=triton, mosaic=None)(*arrays)
-    if lut is None:
-        return checked
-    swa = reference.swa_issues(
-        checked, req_pool_indices, prefix_lens, out_cache_loc, lut, num_slots=num_slots, swa_num_slots=swa_num_slots
-    )
-    return checked._replace(swa_issues=swa)

@@ -44,7 +44,7 @@ class Config:
 
 
 @dataclasses.dataclass(frozen=True)
-class _Static:
+class Static:
     num_rows: int
     num_tokens: int
     padding: str
@@ -79,12 +79,16 @@ def _load(ref, idx, mask, other=0):
     return plt.load(ref.at[idx], mask=mask, other=other)
 
 
-def _row_chunk(refs, first, bound, carry, st: _Static, width: int | None = None) -> tuple[_Rows, tuple]:
+def _row_chunk(refs, first, bound, carry, st: Static, width: int | None = None) -> tuple[_Rows, tuple]:
     """Rows ``[first, first + width)`` (``row_chunk`` by default) below ``bound`` with their spans, from the span
     and bad-span sums of the rows before ``first`` (``carry``)."""
+    return _rows_at(refs, first + _arange(width or st.config.row_chunk), bound, carry, st)
+
+
+def _rows_at(refs, j, bound, carry, st: Static) -> tuple[_Rows, tuple]:
+    """Rows ``j`` (consecutive) below ``bound``, as :func:`_row_chunk`."""
     rpi_ref, cached_ref, extend_ref = refs
     span_before, bad_before = carry
-    j = first + _arange(width or st.config.row_chunk)
     valid = j < bound
     rpi, cached, extend = (_load(ref, j, valid) for ref in (rpi_ref, cached_ref, extend_ref))
     span = jnp.where(valid, reference.span_lens(extend, st.num_tokens), 0)
@@ -96,7 +100,7 @@ def _row_chunk(refs, first, bound, carry, st: _Static, width: int | None = None)
     return rows, (span_before + jnp.sum(span, dtype=jnp.int32), bad_before + jnp.sum(bad, dtype=jnp.int32))
 
 
-def _row_issue(rows: _Rows, reserved_in_use, st: _Static):
+def _row_issue(rows: _Rows, reserved_in_use, st: Static):
     return reference.row_issue(
         rows.rpi,
         rows.cached,
@@ -113,13 +117,23 @@ def _row_issue(rows: _Rows, reserved_in_use, st: _Static):
     )
 
 
+def roles(refs, j, bound, carry, st: Static) -> tuple[tuple[jax.Array, jax.Array, jax.Array], tuple]:
+    """((active, span, bad), carry): rows ``j``'s roles (consecutive rows; 0 past ``bound``) as ``reference.check``
+    gives them, from the span and bad-span sums of the rows before ``j[0]`` (``carry``), and the sums after them.
+    ``active`` and ``bad`` are i32. A kernel that needs the roles derives them with it instead of reading this
+    op's outputs. A request row is never a reserved padding row, so no reserved-row check is needed."""
+    rows, carry = _rows_at(refs, j, bound, carry, st)
+    _, _, _, _, active = _row_issue(rows, jnp.zeros(j.shape, bool), st)
+    return (jnp.where(rows.valid & active, 1, 0).astype(jnp.int32), rows.span, rows.bad), carry
+
+
 def _store_columns(issues_ref, column, mask, fields: tuple) -> None:
     """Stores candidates' eight fields (``reference.issue_fields``) at ``issues_ref[:, column]`` where ``mask``."""
     for f, value in enumerate(fields):
         plt.store(issues_ref.at[jnp.full(column.shape, f, jnp.int32), column], value, mask=mask)
 
 
-def _writes_real_slot(loc_ref, rows: _Rows, st: _Static) -> jax.Array:
+def _writes_real_slot(loc_ref, rows: _Rows, st: Static) -> jax.Array:
     """bool[row_chunk]: a token of the row (within the token arrays) writes a slot past the padding slot."""
     chunk = st.config.token_chunk
     lo = jnp.min(rows.start)  # lane 0's: the starts never decrease (reference.span_lens), from 0
@@ -135,7 +149,7 @@ def _writes_real_slot(loc_ref, rows: _Rows, st: _Static) -> jax.Array:
     return lax.fori_loop(jnp.int32(0), steps, body, jnp.zeros(rows.j.shape, jnp.int32)) > 0
 
 
-def _check_rows(refs, loc_ref, lens_ref, outs, st: _Static) -> None:
+def _check_rows(refs, loc_ref, lens_ref, outs, st: Static) -> None:
     """Program 0: each row's roles and first problem (and its ``token_ids_lens``' problem)."""
     active_ref, span_ref, start_ref, _, issues_ref = outs
 
@@ -163,7 +177,7 @@ def _check_rows(refs, loc_ref, lens_ref, outs, st: _Static) -> None:
     _loop(-(-st.num_rows // st.config.row_chunk), body, (jnp.int32(0), jnp.int32(0)))
 
 
-def _owner_range(refs, first, last, st: _Static) -> tuple[jax.Array, jax.Array, tuple]:
+def _owner_range(refs, first, last, st: Static) -> tuple[jax.Array, jax.Array, tuple]:
     """(below, reach, carry): only rows ``[below, reach)`` can own tokens ``[first, last]``, and ``carry`` is the
     span and bad-span sums of the rows before ``below``. The spans' ends and starts never decrease
     (``reference.span_lens`` >= 0), so the rows ending at or before ``first`` come first and own none of them, and
@@ -185,7 +199,7 @@ def _owner_range(refs, first, last, st: _Static) -> tuple[jax.Array, jax.Array, 
     return below, reach, base
 
 
-def _check_tokens(refs, loc_ref, outs, k, st: _Static) -> None:
+def _check_tokens(refs, loc_ref, outs, k, st: Static) -> None:
     """Program ``1 + k``: token chunk ``k``'s rows and new slots' problems."""
     _, _, _, token_rows_ref, issues_ref = outs
     first = k * st.config.token_chunk
@@ -239,12 +253,10 @@ def _loop(n: int, body, carry):
     return lax.fori_loop(jnp.int32(0), jnp.int32(n), body, carry)
 
 
-def _kernel(*refs, st: _Static):
-    rpi_ref, cached_ref, extend_ref, loc_ref = refs[:4]
-    lens_ref = refs[4] if st.token_ids_width is not None else None
-    outs = refs[-5:]
-    row_refs = (rpi_ref, cached_ref, extend_ref)
-    pid = pl.program_id(0)
+def program(row_refs, loc_ref, lens_ref, outs, pid, st: Static) -> None:
+    """Program ``pid`` of the checks (of :func:`num_programs`): ``row_refs`` are the rows' ``req_pool_indices``,
+    ``prefix_lens`` and ``extend_lens``, ``outs`` the refs of :func:`out_shapes`. Another kernel runs these
+    programs as some of its own (the fused phase's HEAD check launch)."""
 
     @pl.when(pid == 0)
     def _rows():
@@ -253,6 +265,35 @@ def _kernel(*refs, st: _Static):
     @pl.when(pid > 0)
     def _tokens():
         _check_tokens(row_refs, loc_ref, outs, pid - 1, st)
+
+
+def _kernel(*refs, st: Static):
+    rpi_ref, cached_ref, extend_ref, loc_ref = refs[:4]
+    lens_ref = refs[4] if st.token_ids_width is not None else None
+    program((rpi_ref, cached_ref, extend_ref), loc_ref, lens_ref, refs[-5:], pl.program_id(0), st)
+
+
+def static(
+    num_rows: int, num_tokens: int, *, padding, table_rows, context_len, num_slots, token_ids_width, config=None
+) -> Static:
+    """The launch's static description (``config``: by default, rows and tokens per step up to 32 and 64)."""
+    config = config or Config(
+        row_chunk=min(32, compat.next_power_of_2(num_rows)), token_chunk=min(64, compat.next_power_of_2(num_tokens))
+    )
+    return Static(num_rows, num_tokens, padding, table_rows, context_len, num_slots, token_ids_width, config)
+
+
+def num_programs(st: Static) -> int:
+    """Programs of the checks: one for the rows, one per token chunk."""
+    return 1 + pl.cdiv(st.num_tokens, st.config.token_chunk)
+
+
+def out_shapes(st: Static) -> tuple[jax.ShapeDtypeStruct, ...]:
+    """The checks' outputs, in ``reference.Checked`` order: active, span_lens, span_starts, token_rows, issues."""
+    num_columns = st.num_rows * (1 if st.token_ids_width is None else 2) + st.num_tokens
+    i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
+    rows = i32(st.num_rows)
+    return (rows, rows, rows, i32(st.num_tokens), i32(len(phase_common.INPUT_ISSUE_FIELDS), num_columns))
 
 
 @functools.partial(
@@ -272,28 +313,24 @@ def check(
     num_slots, token_ids_width, interpret=False, config=None,
 ) -> reference.Checked:  # fmt: skip
     """Same contract as ``reference.check``, in one launch (a batch needs at least one row and one token)."""
-    config = config or Config(
-        row_chunk=min(32, compat.next_power_of_2(req_pool_indices.shape[0])),
-        token_chunk=min(64, compat.next_power_of_2(out_cache_loc.shape[0])),
+    st = static(
+        req_pool_indices.shape[0],
+        out_cache_loc.shape[0],
+        padding=padding,
+        table_rows=table_rows,
+        context_len=context_len,
+        num_slots=num_slots,
+        token_ids_width=token_ids_width,
+        config=config,
     )
-    num_rows, num_tokens = req_pool_indices.shape[0], out_cache_loc.shape[0]
-    st = _Static(num_rows, num_tokens, padding, table_rows, context_len, num_slots, token_ids_width, config)
     lens = () if token_ids_width is None else (token_ids_lens,)
-    num_columns = num_rows * (1 if token_ids_width is None else 2) + num_tokens
-    i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
-    active, span_lens, span_starts, token_rows, issues = compat.triton_call(
+    outs = compat.triton_call(
         functools.partial(_kernel, st=st),
-        out_shape=(
-            i32(num_rows),
-            i32(num_rows),
-            i32(num_rows),
-            i32(num_tokens),
-            i32(len(phase_common.INPUT_ISSUE_FIELDS), num_columns),
-        ),
-        grid=(1 + pl.cdiv(num_tokens, config.token_chunk),),
+        out_shape=out_shapes(st),
+        grid=(num_programs(st),),
         name="kvcanary_batch_checks",
-        num_warps=config.num_warps,
+        num_warps=st.config.num_warps,
         num_stages=1,
         interpret=interpret,
     )(req_pool_indices, prefix_lens, extend_lens, out_cache_loc, *lens)
-    return reference.Checked(active, span_lens, span_starts, token_rows, issues)
+    return reference.Checked(*outs)

@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 from pallas_kernels import backend as backends
 from pallas_kernels import checks, layout, realkv
+from pallas_kernels.batch_checks import api as batch_checks_api
+from pallas_kernels.batch_checks import pallas_triton as batch_checks_triton
+from pallas_kernels.batch_checks import reference as batch_checks_reference
 from pallas_kernels.phase import common, pallas_mosaic, pallas_triton, reference
 
 Batch = common.Batch
@@ -18,6 +23,19 @@ INPUT_ISSUE_FIELDS = common.INPUT_ISSUE_FIELDS  # the rows of ``input_issues``
 input_row = common.input_row  # the eight fields of an INVALID_INPUT row, as the phase writes them
 verify_row = common.verify_row  # ... of a verify row
 write_row = common.write_row  # ... of a write row (input assert or chain position)
+
+
+class BatchChecks(NamedTuple):
+    """The batch checks (``batch_checks.api.check``), run by a phase itself: the rows' roles are theirs.
+
+    Attributes:
+      padding: the pool's padding rows (``batch_checks.api.PADDINGS``); the table's shape, the FULL pool's slots
+        (``PhaseSpec.full_slots``, else the group's) and the batch give the rest.
+      report: their ``INVALID_INPUT`` candidates are the phase's ``input_issues`` (a group's HEAD).
+    """
+
+    padding: str
+    report: bool = False
 
 
 def check_batch(batch: Batch) -> tuple[int, int]:
@@ -81,6 +99,7 @@ def phase(
     *,
     real_kv_sources: Sequence[Sequence[realkv.RealKvSource]] | None = None,
     input_issues: jax.Array | None = None,
+    batch_checks: BatchChecks | None = None,
     backend: str = "auto",
     **spec_fields,
 ) -> tuple[tuple[jax.Array, ...], Log, jax.Array]:
@@ -93,6 +112,7 @@ def phase(
         PhaseSpec(**spec_fields),
         real_kv_sources=real_kv_sources,
         input_issues=input_issues,
+        batch_checks=batch_checks,
         backend=backend,
     )
 
@@ -106,6 +126,7 @@ def run(
     *,
     real_kv_sources: Sequence[Sequence[realkv.RealKvSource]] | None = None,
     input_issues: jax.Array | None = None,
+    batch_checks: BatchChecks | None = None,
     backend: str = "auto",
 ) -> tuple[tuple[jax.Array, ...], Log, jax.Array]:
     """One HEAD or TAIL phase of a group: plans, then per half verify K/V and write K/V, rows, counters.
@@ -125,6 +146,10 @@ def run(
         ``INPUT_ISSUE_FIELDS``: problem, 0 for none; field; value; limit; slot; position; batch entry; request
         row), placed first, in column order, tagged ``spec.tags[0]``; None: none. (With
         ``spec.skip_bad_requests``, the caller reports the rejected slots here.)
+      batch_checks: :class:`BatchChecks`: the phase runs the batch checks itself (``batch.active`` and
+        ``batch.span_lens`` must be None: the checks' roles are used; with ``report``, ``input_issues`` must be
+        None: the checks' candidates are used). The Triton kernels derive the roles in each program and run the
+        checks' programs in the check launch, so the step has no launch of its own for them. None: not run.
       backend: ``"xla"`` (``reference``), ``"pallas"`` (the Triton kernels on GPU, ``pallas_mosaic`` on TPU),
         ``"interpret"`` / ``"interpret_tpu"`` (those, interpreted) or ``"auto"`` (``"pallas"`` on GPU and TPU,
         else ``"xla"``).
@@ -165,15 +190,65 @@ def run(
             input_issues = None
     if spec.window > 0 and batch.full_to_swa_index_mapping is None:
         raise ValueError(f"window={spec.window} needs batch.full_to_swa_index_mapping (the full->SWA LUT)")
+    static = _checks_static(batch_checks, batch, input_issues, spec.full_slots or num_slots)
+
+    def with_checks(batch, issues):
+        return _with_checks(batch_checks, static, batch, issues)
 
     def xla(buffers, log, batch, cpa, sources, issues):
+        batch, issues = with_checks(batch, issues)
         return reference.phase(buffers, log, batch, cpa, sources, issues, spec)
 
-    def kernels(module):  # pallas_triton or pallas_mosaic: the same contract
-        def call(buffers, log, batch, cpa, sources, issues, *, interpret):
-            return module.phase(buffers, log, batch, cpa, sources, issues, spec=spec, interpret=interpret)
+    def triton(buffers, log, batch, cpa, sources, issues, *, interpret):
+        num_tokens = batch.out_cache_loc.shape[0]
+        if batch_checks is None or num_tokens == 0:  # no token programs: the jnp checks first
+            batch, issues = with_checks(batch, issues)
+            return pallas_triton.phase(buffers, log, batch, cpa, sources, issues, spec=spec, interpret=interpret)
+        fused = batch_checks_triton.static(batch.req_pool_indices.shape[0], num_tokens, **static)
+        return pallas_triton.phase(
+            buffers, log, batch, cpa, sources, issues, spec=spec, interpret=interpret, checks=fused,
+            report_checks=batch_checks.report,
+        )  # fmt: skip
 
-        return call
+    def mosaic(buffers, log, batch, cpa, sources, issues, *, interpret):
+        batch, issues = with_checks(batch, issues)
+        return pallas_mosaic.phase(buffers, log, batch, cpa, sources, issues, spec=spec, interpret=interpret)
 
-    call = backends.dispatch(backend, xla=xla, triton=kernels(pallas_triton), mosaic=kernels(pallas_mosaic))
+    call = backends.dispatch(backend, xla=xla, triton=triton, mosaic=mosaic)
     return call(buffers, log, batch, enable_chain_position_assert, real_kv_sources, input_issues)
+
+
+def _checks_static(batch_checks: BatchChecks | None, batch: Batch, input_issues, full_slots: int) -> dict | None:
+    """The batch checks' static arguments (``batch_checks.reference.check``'s keywords), checked; None without."""
+    if batch_checks is None:
+        return None
+    if not isinstance(batch_checks, BatchChecks):
+        kind = type(batch_checks).__name__
+        raise TypeError(f"batch_checks must be a pallas_kernels.phase.api.BatchChecks; got {kind}")
+    for name in ("active", "span_lens"):
+        if getattr(batch, name) is not None:
+            raise ValueError(f"batch_checks gives the rows' roles: batch.{name} must be None")
+    if batch_checks.report and input_issues is not None:
+        raise ValueError("batch_checks with report=True places the checks' candidates: input_issues must be None")
+    return batch_checks_api.validate(
+        batch.req_pool_indices,
+        batch.prefix_lens,
+        batch.extend_lens,
+        batch.out_cache_loc,
+        padding=batch_checks.padding,
+        table_rows=batch.req_to_token.shape[0],
+        context_len=batch.req_to_token.shape[1],
+        num_slots=full_slots,
+    )
+
+
+def _with_checks(batch_checks: BatchChecks | None, static: dict | None, batch: Batch, issues):
+    """(batch, issues): the batch with the checks' roles, and the issues to place (the checks' candidates when
+    reported), in jnp; unchanged without checks."""
+    if batch_checks is None:
+        return batch, issues
+    checked = batch_checks_reference.check(
+        batch.req_pool_indices, batch.prefix_lens, batch.extend_lens, batch.out_cache_loc, None, **static
+    )
+    batch = dataclasses.replace(batch, active=checked.active, span_lens=checked.span_lens)
+    return batch, (checked.issues if batch_checks.report else issues)

@@ -23,6 +23,11 @@ bumps; ``benchmarks/RESULTS.md``). Here a phase is:
     both halves in place, with the write op's deterministic last-writer rule. Sharing the launch with the ring is
     safe because the ring reads no record; a third launch would cost a dependent launch's 3-5 us at decode sizes.
 
+With ``checks`` (the runner's batches), the rows' roles (``active``, ``span_lens``) are not inputs: every program
+that needs them derives them from the batch (``triton_common.roles``, the batch checks' own rules, carried over
+the rows it scans anyway), and a HEAD's check launch also runs the batch checks' programs, whose candidates the
+ring places first. The step then has no launch of its own for the checks (a dependent launch's 3-5 us).
+
 No XLA loop, prefix sum or scatter is left in the step (only ``store.last_writer``'s sort for more than
 ``PAIRWISE_MAX_TOKENS`` tokens, as in the write op).
 """
@@ -38,6 +43,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from pallas_kernels import compat, hash64, kernel_io, layout, records
+from pallas_kernels.batch_checks import pallas_triton as batch_checks
 from pallas_kernels.phase import common
 from pallas_kernels.phase import triton_common as tc
 from pallas_kernels.write import reference as write_reference
@@ -65,12 +71,12 @@ def _walk(inp: tc.Inputs, r, outs, st: tc.Static) -> None:
     and the input assert; then its row and written counts. The last request also zeroes the flags of the
     tokens no request covers."""
     count_ref, prev_hash_ref, expected_ref, flags_ref = outs
-    start, count, own = tc.write_span(inp, r, st)
+    start, count, own, active = tc.write_span(inp, r, st)
     prefix, rpi = inp.prefix[r], inp.rpi[r]
     num_rows, max_context = inp.rtt.shape
     seed = common.seed_slot(
         inp.rtt[common.jnp_index(rpi, num_rows), jnp.clip(prefix - 1, 0, max_context - 1)],
-        (inp.active[r] != 0) & (prefix > 0) & (own > 0),
+        (active != 0) & (prefix > 0) & (own > 0),
         *tc.lut_reader(inp),
         full_slots=st.full_slots,
         group_slots=st.group_slots,
@@ -78,7 +84,7 @@ def _walk(inp: tc.Inputs, r, outs, st: tc.Static) -> None:
     check = (seed >= 0) & (inp.cpa[0] != 0) & (count > 0)
     writes = jnp.bool_(True)
     if st.skip_bad_requests:  # a partial write would trip the chain-position assert on the token after a gap
-        writes = (inp.active[r] != 0) & ~tc.rejects_a_slot(inp, start, count, st)
+        writes = (active != 0) & ~tc.rejects_a_slot(inp, start, count, st)
     carry = []
     for buf in inp.bufs:
         record = kernel_io.load_record(buf, records.clamp_slots(seed, buf.shape[0]))
@@ -131,18 +137,31 @@ def _walk(inp: tc.Inputs, r, outs, st: tc.Static) -> None:
 
 
 def _check_kernel(*refs, st: tc.Static):
-    """Chain walks (programs < R), then verify blocks: each block's flag count per half (and its table issues)."""
+    """Chain walks (programs < R), then verify blocks: each block's flag count per half (and its table issues).
+    With ``st.run_checks``, the batch checks' programs come before them all: started first, their serial loops
+    over the rows overlap the rest instead of ending the launch."""
     inp, (vcount_ref, *outs) = tc.take(refs, st)  # vcount i32[H (+1), B]; see _walk for the chain outputs
-    chain_outs, stash = outs[:4], outs[4:]  # stash: verify rows u32[H * B * block, 16] (and context i32[., 3])
-    pid, num_reqs, block = pl.program_id(0), st.num_reqs, st.config.verify_block
+    stash_end = 5 + st.has_context
+    chain_outs, stash = outs[:4], outs[4:stash_end]  # stash: verify rows u32[H * B * block, 16] (and context)
+    num_reqs, block = st.num_reqs, st.config.verify_block
+    pid = pl.program_id(0)
+    if st.run_checks:
+        first = batch_checks.num_programs(st.checks)
 
-    @pl.when(pid < num_reqs)
+        @pl.when(pid < first)
+        def _batch_checks():
+            row_refs = (inp.rpi, inp.prefix, inp.extend)
+            batch_checks.program(row_refs, inp.loc, None, outs[stash_end:], pid, st.checks)
+
+        pid = pid - first  # negative for the checks' programs: neither a walk nor a block
+
+    @pl.when((pid >= 0) & (pid < num_reqs))
     def _chain():
         _walk(inp, pid, chain_outs, st)
 
     b = pid - num_reqs
 
-    @pl.when(pid >= num_reqs)
+    @pl.when((pid >= num_reqs) & (pid < num_reqs + st.num_blocks))
     def _verify():
         t = b * block + tc.arange(block)
         req, start, total = tc.locate(inp, t, st)
@@ -383,7 +402,7 @@ def _place_verify_rows(h: int, b, rel, index, room, count, stash, ring_ref, cont
 def _place_write_rows(inp, h: int, r, rel, index, room, outs, ring_ref, context_ref, st: tc.Static) -> None:
     """Writes request ``r``'s rows of half ``h`` (per token: input-assert row, then chain-position row)."""
     prev_hash_ref, expected_ref, flags_ref = outs
-    start, count, _ = tc.write_span(inp, r, st)
+    start, count, _, _ = tc.write_span(inp, r, st)
     chunk, capacity, tag = st.config.token_chunk, ring_ref.shape[0], st.tags[h]
     word = lambda w: jnp.full((chunk,), w, jnp.int32)  # noqa: E731
     half = word(h)
@@ -470,19 +489,27 @@ def _store(inp, p, flags_ref, prev_hash_ref, winner_ref, outs, st: tc.Static) ->
 # -- entry point -------------------------------------------------------------------------------------------------
 
 
-@functools.partial(jax.jit, static_argnames=("spec", "interpret", "config"))
+@functools.partial(jax.jit, static_argnames=("spec", "interpret", "config", "checks", "report_checks"))
 def phase(
     buffers, log, batch, enable_chain_position_assert, real_kv_sources, input_issues=None, *, spec, interpret=False,
-    config=None,
+    config=None, checks=None, report_checks=False,
 ):  # fmt: skip
-    """``reference.phase`` (the contract) in three Pallas launches (see the module docstring); ``interpret`` runs
-    them in Pallas interpret mode (any platform), ``config`` is their launch shapes (``heuristic`` when None)."""
+    """``reference.phase`` (the contract) in two Pallas launches (see the module docstring); ``interpret`` runs
+    them in Pallas interpret mode (any platform), ``config`` is their launch shapes (``heuristic`` when None).
+
+    ``checks`` (a ``batch_checks.pallas_triton.Static``, for a batch of at least one token): the rows' roles are
+    the batch checks' of the batch, derived in every program that needs them (``batch.active`` and
+    ``batch.span_lens`` are not read); with ``report_checks``, the check launch also runs the batch checks'
+    programs and their candidates are ``input_issues`` (which must be None), with no launch of their own."""
     batch = common.with_roles(common.pad_tokens(batch))
     num_reqs, num_tokens = batch.req_pool_indices.shape[0], batch.input_ids.shape[0]
     group_slots = buffers[0].shape[0]
     halves = len(buffers)
     config = config or heuristic(spec.verify_capacity, num_tokens)
     sources = tuple(tuple(s) if spec.real_kv_hash_mode != layout.REAL_KV_NONE else () for s in real_kv_sources)
+    num_issues = 0 if input_issues is None else input_issues.shape[1]
+    if report_checks:
+        num_issues = batch_checks.out_shapes(checks)[-1].shape[1]
     st = tc.Static(
         num_reqs=num_reqs,
         num_tokens=num_tokens,
@@ -501,10 +528,12 @@ def phase(
         has_context=log.context is not None,
         check_table=spec.check_table,
         skip_bad_requests=spec.skip_bad_requests,
-        num_issues=0 if input_issues is None else input_issues.shape[1],
+        num_issues=num_issues,
         count_overflows=log.verify_overflows is not None,
+        checks=checks,
+        run_checks=report_checks,
     )
-    inputs = tc.input_arrays(batch, enable_chain_position_assert, buffers, sources, interpret=interpret)
+    inputs = tc.input_arrays(batch, enable_chain_position_assert, buffers, sources, st, interpret=interpret)
     num_blocks = st.num_blocks
     i32, u32 = jnp.int32, jnp.uint32
     call = functools.partial(compat.triton_call, num_warps=config.num_warps, num_stages=config.num_stages)
@@ -520,13 +549,18 @@ def phase(
     stash = (jax.ShapeDtypeStruct((stash_rows, ring_rows.shape[1]), u32),)
     if log.context is not None:
         stash += (jax.ShapeDtypeStruct((stash_rows, log.context.shape[1]), i32),)
+    batch_outs = batch_checks.out_shapes(checks) if report_checks else ()
     checked = call(
         functools.partial(_check_kernel, st=st),
-        out_shape=(jax.ShapeDtypeStruct((halves + spec.check_table, num_blocks), i32), *chain_outs, *stash),
-        grid=(num_reqs + num_blocks,),
+        out_shape=(
+            jax.ShapeDtypeStruct((halves + spec.check_table, num_blocks), i32), *chain_outs, *stash, *batch_outs
+        ),
+        grid=(num_reqs + num_blocks + (batch_checks.num_programs(checks) if report_checks else 0),),
         name=f"kvcanary_phase_check_block={config.verify_block}",
         interpret=interpret,
     )(*inputs)
+    if report_checks:  # the batch checks' candidates: the rows' INVALID_INPUT rows, placed first
+        input_issues, checked = checked[-1], checked[: len(checked) - len(batch_outs)]
 
     flags, prev_hash = checked[4], checked[2]
     winner = ()
@@ -541,7 +575,7 @@ def phase(
     aliased = (ring_rows, *context, *rows)  # updated in place: the ring (and its context), the canary buffers
     state = (log.write_index, log.kernel_run_counters, log.slot_run_counters, *overflows)
     leading = (
-        *tc.input_arrays(batch, enable_chain_position_assert, (), sources, interpret=interpret), *checked, *issues,
+        *tc.input_arrays(batch, enable_chain_position_assert, (), sources, st, interpret=interpret), *checked, *issues,
         *winner,
     )  # fmt: skip
     out_shape = (

@@ -18,6 +18,7 @@ from jax import lax
 from jax.experimental.pallas import triton as plt
 
 from pallas_kernels import compat, hash64, kernel_io, realkv, records
+from pallas_kernels.batch_checks import pallas_triton as batch_checks
 from pallas_kernels.phase import common
 from pallas_kernels.verify import reference as verify_reference
 
@@ -72,6 +73,10 @@ class Static:
     skip_bad_requests: bool = False  # write nothing for a non-request row, or a request with a rejected slot
     num_issues: int = 0  # columns of the caller's input_issues (placed before everything)
     count_overflows: bool = False  # the log has a verify_overflows counter to bump
+    # The batch checks' launch description when the rows' roles are derived in-kernel (:func:`roles`) from the
+    # batch instead of read from ``batch.active`` and ``batch.span_lens``; None: read.
+    checks: batch_checks.Static | None = None
+    run_checks: bool = False  # the check kernel also runs the batch checks' programs (their candidates first)
 
     @property
     def halves(self) -> int:
@@ -88,8 +93,9 @@ class Inputs(NamedTuple):
 
     rpi: Any  # i32[R]
     prefix: Any  # i32[R]
-    active: Any  # i32[R] nonzero for the rows that are requests
-    span: Any  # i32[R] token entries each row owns
+    extend: Any  # i32[R] | None: extend_lens, when the roles are derived (Static.checks)
+    active: Any  # i32[R] | None: nonzero for the rows that are requests, when the roles are read
+    span: Any  # i32[R] | None: token entries each row owns, when the roles are read
     rtt: Any  # i32[max_reqs, max_context_len]
     ids: Any  # i32[T]
     positions: Any  # i32[T]
@@ -104,13 +110,13 @@ class Inputs(NamedTuple):
     kv: tuple  # per half, the sources' dtype[pages, row_elements] refs
 
 
-def input_arrays(batch: common.Batch, cpa, buffers, sources, *, interpret: bool) -> list[jax.Array]:
+def input_arrays(batch: common.Batch, cpa, buffers, sources, st: Static, *, interpret: bool) -> list[jax.Array]:
     """The arrays behind :class:`Inputs`, in the order :func:`take` unpacks them; ``buffers`` may be ``()``."""
+    roles = [batch.extend_lens] if st.checks is not None else [batch.active, batch.span_lens]
     arrays = [
         batch.req_pool_indices,
         batch.prefix_lens,
-        batch.active,
-        batch.span_lens,
+        *roles,
         batch.req_to_token,
         batch.input_ids,
         batch.positions,
@@ -133,7 +139,9 @@ def take(refs, st: Static, *, with_buffers: bool = True) -> tuple[Inputs, list]:
     aliased buffer that is also read through another operand would make XLA copy it first.
     """
     it = iter(refs)
-    fixed = [next(it) for _ in range(9)]
+    rows = [next(it) for _ in range(2)]
+    roles = [next(it), None, None] if st.checks is not None else [None, next(it), next(it)]
+    fixed = rows + roles + [next(it) for _ in range(5)]
     lut = next(it) if st.has_lut else None
     pool, pool_lens = (next(it), next(it)) if st.has_pool else (None, None)
     exp_ids, exp_pos = (next(it), next(it)) if st.has_inputs else (None, None)
@@ -189,33 +197,53 @@ def row_sum(ref, h: int, upto, st: Static, *, flags: bool = False) -> jax.Array:
     return loop(-(-n // chunk), body, jnp.int32(0))
 
 
-def request_sum(inp: Inputs, per_request: Callable, upto, st: Static) -> jax.Array:
-    """i32[]: the sum of ``per_request(active, prefix, span)`` over rows ``j < upto``."""
+def roles(inp: Inputs, j: jax.Array, bound, carry, st: Static):
+    """((active, span, bad), carry): the roles of rows ``j`` (consecutive; 0 from ``bound`` on), read or derived.
+    Derived (``st.checks``), they are the batch checks' (``batch_checks.roles``), from the span and bad-span sums
+    of the rows before ``j[0]`` (``carry``: the previous chunk's, ``(0, 0)`` for row 0); read, the carry is passed
+    through and ``bad`` is 0."""
+    if st.checks is None:
+        m = j < bound
+        return (load(inp.active, j, m), load(inp.span, j, m), jnp.zeros(j.shape, jnp.int32)), carry
+    return batch_checks.roles((inp.rpi, inp.prefix, inp.extend), j, bound, carry, st.checks)
+
+
+def request_sums(inp: Inputs, per_request: Callable, num_values: int, st: Static) -> tuple[jax.Array, ...]:
+    """i32[] each: the sums over every row ``j`` of the ``num_values`` values ``per_request(j, active, prefix,
+    span)``, ``sum_chunk`` rows per step."""
     n = st.num_reqs
     chunk = min(st.config.sum_chunk, compat.next_power_of_2(n))
 
-    def body(c, acc):
+    def body(c, carry):
+        sums, rows_before = carry
         j = c * chunk + arange(chunk)
-        m = (j < n) & (j < upto)
-        values = per_request(load(inp.active, j, m), load(inp.prefix, j, m), load(inp.span, j, m))
-        return acc + jnp.sum(jnp.where(m, values, 0), dtype=jnp.int32)
+        m = j < n
+        (active, span, _), rows_before = roles(inp, j, n, rows_before, st)
+        values = per_request(j, active, load(inp.prefix, j, m), span)
+        sums = tuple(s + jnp.sum(jnp.where(m, v, 0), dtype=jnp.int32) for s, v in zip(sums, values, strict=True))
+        return sums, rows_before
 
-    return loop(-(-n // chunk), body, jnp.int32(0))
+    zero = jnp.int32(0)
+    return loop(-(-n // chunk), body, ((zero,) * num_values, (zero, zero)))[0]
 
 
 def verify_total(inp: Inputs, st: Static) -> tuple[jax.Array, jax.Array]:
     """(total verify entries, active entries): active is 0 when the plan overflows its capacity."""
-    total = request_sum(inp, lambda act, prefix, _: common.verify_len(act, prefix, st.window), st.num_reqs, st)
+    (total,) = request_sums(inp, lambda _, act, prefix, __: (common.verify_len(act, prefix, st.window),), 1, st)
     return total, jnp.where(total > st.capacity, 0, total)
 
 
-def write_span(inp: Inputs, r, st: Static) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """(start, count, span) of row ``r``'s tokens, clamped to the token arrays as the write op does."""
-    before = request_sum(inp, lambda _, __, span: span, r, st)
-    own = inp.span[r]
+def write_span(inp: Inputs, r, st: Static) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """(start, count, span, active) of row ``r``: its tokens, clamped to the token arrays as the write op does,
+    the entries it owns, and whether it is a request."""
+
+    def per_request(j, active, _, span):
+        return jnp.where(j < r, span, 0), jnp.where(j == r, span, 0), jnp.where(j == r, active, 0)
+
+    before, own, active = request_sums(inp, per_request, 3, st)
     start = jnp.clip(before, 0, st.num_tokens)
     end = jnp.clip(before + own, 0, st.num_tokens)
-    return start, jnp.maximum(end - start, 0), own
+    return start, jnp.maximum(end - start, 0), own, active
 
 
 class Entries(NamedTuple):
@@ -240,45 +268,53 @@ def locate(inp: Inputs, t: jax.Array, st: Static):
     requests ``[below, reach)`` whose ends fall inside the block: the ``below`` requests before them end at or before
     its first entry (their last end is ``base``). Only those are compared against each entry, ``req_chunk`` at a
     time as a [block, chunk] matrix: none when the block lies inside one request, the common case.
+    With derived roles (``st.checks``), the pass also sums the spans and bad spans of the ``below`` requests,
+    from which the compare derives the roles of the requests after them (:func:`roles`).
     """
     n = st.num_reqs
     first, last = jnp.min(t), jnp.max(t)
 
-    def lens_of(j, m):
-        return common.verify_len(load(inp.active, j, m), load(inp.prefix, j, m), st.window)  # 0 where masked
+    def lens_of(j, bound, rows_before):
+        (active, span, bad), rows_before = roles(inp, j, bound, rows_before, st)
+        lens = common.verify_len(active, load(inp.prefix, j, j < bound), st.window)  # 0 where masked
+        return lens, span, bad, rows_before
 
     wide = min(st.config.sum_chunk, compat.next_power_of_2(n))
 
     def scan(c, carry):
-        below, reach, base, total = carry
+        below, reach, base, total, rows_before, rows_below = carry
         j = c * wide + arange(wide)
         m = j < n
-        lens = lens_of(j, m)
+        lens, span, bad, rows_before = lens_of(j, n, rows_before)
         ends = total + jnp.cumsum(lens, dtype=jnp.int32)
         early = (ends <= first) & m
         below = below + jnp.sum(early.astype(jnp.int32), dtype=jnp.int32)
         reach = reach + jnp.sum(((ends <= last) & m).astype(jnp.int32), dtype=jnp.int32)
         base = jnp.maximum(base, jnp.max(jnp.where(early, ends, 0)))
-        return below, reach, base, total + jnp.sum(lens, dtype=jnp.int32)
+        rows_below = tuple(
+            s + jnp.sum(jnp.where(early, x, 0), dtype=jnp.int32) for s, x in zip(rows_below, (span, bad), strict=True)
+        )
+        return below, reach, base, total + jnp.sum(lens, dtype=jnp.int32), rows_before, rows_below
 
     zero = jnp.int32(0)
-    below, reach, base, total = loop(-(-n // wide), scan, (zero, zero, zero, zero))
+    carry = (zero, zero, zero, zero, (zero, zero), (zero, zero))
+    below, reach, base, total, _, rows_below = loop(-(-n // wide), scan, carry)
     chunk = min(st.config.req_chunk, compat.next_power_of_2(n))
 
     def near(c, carry):
-        count, start, running = carry
+        count, start, running, rows_before = carry
         j = below + c * chunk + arange(chunk)
         m = j < reach
-        lens = lens_of(j, m)
+        lens, _, _, rows_before = lens_of(j, reach, rows_before)
         ends = running + jnp.cumsum(lens, dtype=jnp.int32)
         before = (ends[None, :] <= t[:, None]) & m[None, :]
         count = count + jnp.sum(before.astype(jnp.int32), axis=1, dtype=jnp.int32)
         start = jnp.maximum(start, jnp.max(jnp.where(before, ends[None, :], 0), axis=1))
-        return count, start, running + jnp.sum(lens, dtype=jnp.int32)
+        return count, start, running + jnp.sum(lens, dtype=jnp.int32), rows_before
 
     steps = (reach - below + chunk - 1) // chunk
     full = lambda x: jnp.full(t.shape, x, jnp.int32)  # noqa: E731
-    count, start, _ = lax.fori_loop(zero, steps, near, (full(below), full(base), base))
+    count, start, _, _ = lax.fori_loop(zero, steps, near, (full(below), full(base), base, rows_below))
     return jnp.minimum(count, n - 1), start, total
 
 

@@ -236,3 +236,21 @@ def _prime(rng, s: Shape, buffers, batch: common.Batch, sources, tags, corrupt: 
         raw[bad, rng.integers(0, 4), rng.integers(0, 2)] ^= np.uint32(0x10000)
         primed.append(jnp.asarray(raw))
     return tuple(primed)
+
+
+def with_bad_rows(batch: common.Batch, padding: str, seed: int) -> common.Batch:
+    """``batch`` with rows the batch checks reject: a request row past the table, a negative extend, a prefix
+    past the context, a span past the tokens (the rows after it are not requests either), and padding rows."""
+    rng = np.random.default_rng(seed)
+    rows = (batch.req_pool_indices, batch.prefix_lens, batch.extend_lens)
+    rpi, prefix, extend = (np.asarray(x).copy() for x in rows)
+    rows, context = batch.req_to_token.shape
+    r = rng.permutation(len(rpi))
+    rpi[r[0]] = rows + int(rng.integers(0, 3))
+    extend[r[1]] = -int(rng.integers(1, 3))
+    prefix[r[2]] = context
+    rpi[r[3]] = -1 if padding == "negative" else 0
+    if seed % 2:  # a span past the tokens: the rows after it own none
+        extend[r[4]] = batch.out_cache_loc.shape[0] + 1
+    arrays = {"req_pool_indices": rpi, "prefix_lens": prefix, "extend_lens": extend}
+    return dataclasses.replace(batch, **{k: jnp.asarray(v, jnp.int32) for k, v in arrays.items()})

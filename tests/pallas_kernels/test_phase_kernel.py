@@ -10,10 +10,12 @@ import numpy as np
 import pytest
 
 from pallas_kernels import layout
+from pallas_kernels.batch_checks import api as checks_api
+from pallas_kernels.batch_checks import pallas_triton as checks_triton
 from pallas_kernels.phase import api, common, pallas_triton, reference
 from pallas_kernels.write import store
 from tests.pallas_kernels import kernel_cases as cases
-from tests.pallas_kernels.phase_cases import RING_STARTS, Shape, make_case
+from tests.pallas_kernels.phase_cases import RING_STARTS, Shape, make_case, with_bad_rows
 
 BF16_P4 = cases.SourceSpec("bfloat16", 4, 64, 48, row_padding=16)
 I8_P16 = cases.SourceSpec("int8", 16, 16, 16)
@@ -40,7 +42,9 @@ TINY_BLOCKS = pallas_triton.Config(
 MANY = Shape(num_reqs=20, max_len=10, num_tokens=30, capacity=80, ring_capacity=64, input_assert=True, check_table=True)
 
 
-@functools.partial(jax.jit, static_argnames=("tags", "shape", "backend", "config", "full_slots", "skip_bad_requests"))
+@functools.partial(
+    jax.jit, static_argnames=("tags", "shape", "backend", "config", "full_slots", "skip_bad_requests", "batch_checks")
+)
 def _phase(
     buffers,
     log,
@@ -55,6 +59,7 @@ def _phase(
     config=None,
     full_slots=None,
     skip_bad_requests=False,
+    batch_checks=None,
 ):
     kwargs = dict(
         input_issues=issues,
@@ -69,7 +74,16 @@ def _phase(
     )
     if config is not None:
         spec = common.PhaseSpec(**{k: v for k, v in kwargs.items() if k != "input_issues"})
-        return pallas_triton.phase(buffers, log, batch, cpa, sources, issues, spec=spec, interpret=True, config=config)
+        checks = {}
+        if batch_checks is not None:
+            static = dict(table_rows=batch.req_to_token.shape[0], context_len=batch.req_to_token.shape[1])
+            static.update(padding=batch_checks.padding, num_slots=full_slots, token_ids_width=None)
+            fused = checks_triton.static(batch.req_pool_indices.shape[0], batch.out_cache_loc.shape[0], **static)
+            checks = dict(checks=fused, report_checks=batch_checks.report)
+        return pallas_triton.phase(
+            buffers, log, batch, cpa, sources, issues, spec=spec, interpret=True, config=config, **checks
+        )
+    kwargs.update(batch_checks=batch_checks)
     return api.phase(buffers, log, batch, cpa, real_kv_sources=sources, backend=backend, **kwargs)
 
 
@@ -221,6 +235,36 @@ def test_skip_rejected_requests_by_pairs_or_by_scatter(monkeypatch, pairwise_max
         np.testing.assert_array_equal(np.asarray(got), np.where(covered, want, -1))
         rejections += rejected
     assert rejections > 0, "the cases must hold requests with a slot the group cannot store"
+
+
+def test_batch_checks_run_by_the_phase():
+    """With ``batch_checks`` the phase equals the batch checks then the phase with their roles (and, reported,
+    their candidates as ``input_issues``), on every backend: the Triton kernels derive the roles in-kernel and
+    run the checks' programs in the check launch (default and tiny blocks: looped row chunks)."""
+    landed = 0
+    cases = [  # (shape, padding, report, ring start, blocks): one interpret compile each
+        (MANY, "negative", True, "empty", TINY_BLOCKS),
+        (MANY, "reserved", True, "almost_full", None),
+        (MANY, "negative", False, "mid", None),  # a TAIL: roles derived, no checks' programs
+    ]
+    for seed, (shape, padding, report, start, config) in enumerate(cases):
+        *args, tags = make_case(60 + seed, shape, ring_start=start)
+        batch = with_bad_rows(args[2], padding, seed)
+        kw = dict(tags=tags, shape=shape, full_slots=shape.num_slots, skip_bad_requests=True)
+        rows = dict(table_rows=batch.req_to_token.shape[0], context_len=batch.req_to_token.shape[1])
+        checked = checks_api.check(
+            batch.req_pool_indices, batch.prefix_lens, batch.extend_lens, batch.out_cache_loc,
+            padding=padding, num_slots=shape.num_slots, backend="xla", **rows,
+        )  # fmt: skip
+        with_roles = dataclasses.replace(batch, active=checked.active, span_lens=checked.span_lens)
+        issues = checked.issues if report else None
+        want = _phase(args[0], args[1], with_roles, *args[3:], issues, backend="xla", **kw)
+        fused = api.BatchChecks(padding, report)
+        for backend, blocks in [("xla", None), ("interpret", config)]:
+            got = _phase(args[0], args[1], batch, *args[3:], backend=backend, config=blocks, batch_checks=fused, **kw)
+            chex.assert_trees_all_equal(got, want)
+        landed += int(report) * int((np.asarray(_placed(args[1], want))[:, 7, 0] == layout.FAIL_INVALID_INPUT).sum())
+    assert landed > 0, "the reported checks must place INVALID_INPUT rows"
 
 
 @pytest.mark.parametrize("backend", ["xla", "interpret"])
