@@ -1,6 +1,6 @@
 """Shared pytest set-up: the package's own pytest plugin (the ``kvcanary_guard`` fixture) for every test, jax's
-persistent compilation cache for the run, the longest modules first, and compiled executables freed before the
-process runs out of memory maps.
+persistent compilation cache for the run, XLA's quickest compile (backend optimisation off), the longest modules
+first, and compiled executables freed before the process runs out of memory maps.
 """
 
 import gc
@@ -38,6 +38,13 @@ _LONG_MODULES = (
     "tests/runtime/test_runner_soak.py",
     "tests/sharded/test_multiprocess.py",
 )
+_MIN_COMPILE_TIME_ENV = "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"
+# XLA:CPU's backend (LLVM) optimisation level 0 for the run: the suite's programs are small, compiled once and run a
+# few times, so their compile is most of CI's time and optimising the machine code costs more than it saves. The HLO
+# passes (fusion, layout) still run, so the programs compute the same bytes and the HLO tests read is the same.
+# ``JAX_DISABLE_MOST_OPTIMIZATIONS=0`` runs the suite on fully optimised code.
+_NO_OPTIMIZATIONS_ENV = "JAX_DISABLE_MOST_OPTIMIZATIONS"
+_TRUE = ("1", "true", "t", "yes", "y", "on")
 _made_cache_dir: list[str] = []  # the folder this process made (the xdist controller, or a run without xdist)
 
 
@@ -64,7 +71,12 @@ def pytest_configure(config: pytest.Config) -> None:
         os.environ[_CACHE_ENV] = tempfile.mkdtemp(prefix="kvcanary-jax-cache-")
         _made_cache_dir.append(os.environ[_CACHE_ENV])
     jax.config.update("jax_compilation_cache_dir", os.environ[_CACHE_ENV])
+    # Every program is cached, also in the processes tests start (the demo CLI, multi-process scenarios, servers):
+    # jax reads these variables when it is imported there.
+    os.environ[_MIN_COMPILE_TIME_ENV] = "0"
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    os.environ.setdefault(_NO_OPTIMIZATIONS_ENV, "1")
+    jax.config.update("jax_disable_most_optimizations", os.environ[_NO_OPTIMIZATIONS_ENV].lower() in _TRUE)
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:

@@ -133,12 +133,14 @@ def eager_and_jitted():
     return runs
 
 
+@pytest.mark.soak  # eager steps run op by op, each op its own program: a minute of CPU for 9 steps
 def test_eager_run_is_clean_until_the_fault(eager_and_jitted):
     """Eager (un-jitted) steps are slow on CPU, so the eager soak is 6 steps, with one passing health check."""
     setup, clean, checked, injected = eager_and_jitted["eager"]
     assert clean == 0 and checked == [5] and injected == EAGER_FAULT_AT
 
 
+@pytest.mark.soak
 def test_jit_and_eager_agree_bit_for_bit(eager_and_jitted):
     eager, jit = eager_and_jitted["eager"][0], eager_and_jitted["jit"][0]
     chex.assert_trees_all_equal(eager.canary_state, jit.canary_state)
