@@ -75,8 +75,20 @@ def pytest_configure(config: pytest.Config) -> None:
     # jax reads these variables when it is imported there.
     os.environ[_MIN_COMPILE_TIME_ENV] = "0"
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    os.environ.setdefault(_NO_OPTIMIZATIONS_ENV, "1")
-    jax.config.update("jax_disable_most_optimizations", os.environ[_NO_OPTIMIZATIONS_ENV].lower() in _TRUE)
+    # Not exported: the engines, servers and scenario processes tests start run many steps, so they keep optimised code.
+    jax.config.update("jax_disable_most_optimizations", _optimisations_off())
+
+
+@pytest.fixture(scope="module")
+def xla_optimised():
+    """Fully optimised machine code for a module whose cost is running many steps (the engine's), not compiling."""
+    jax.config.update("jax_disable_most_optimizations", False)
+    yield
+    jax.config.update("jax_disable_most_optimizations", _optimisations_off())
+
+
+def _optimisations_off() -> bool:
+    return os.environ.get(_NO_OPTIMIZATIONS_ENV, "1").lower() in _TRUE
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:

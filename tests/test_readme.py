@@ -108,6 +108,7 @@ def test_the_sglang_jax_snippet_is_at_most_ten_lines():
     assert len(lines) <= 10, lines
 
 
+@pytest.mark.usefixtures("xla_optimised")  # the engine runs many steps
 def test_the_sglang_jax_snippet_runs_on_the_engine_and_is_clean():
     pytest.importorskip("sgl_jax", reason="the sglang-jax extra is not installed")
     namespace = {"__name__": "readme_sglang_jax"}

@@ -7,6 +7,9 @@ import pytest
 from kvcanary_jax.demo import faults
 from kvcanary_jax.testing import FaultKind, expected_detection
 
+# Each case runs the demo for many steps: optimised code costs less here than the quicker compile saves.
+pytestmark = pytest.mark.usefixtures("xla_optimised")
+
 CASES = faults.FAULT_RUNS
 SEEDS = range(12)
 
