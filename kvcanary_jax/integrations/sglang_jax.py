@@ -487,8 +487,8 @@ class SglangCanary:
         for action in pending.before_forward:
             action(self)
         is_decode = mode.name == "DECODE"
-        # The host arrays go to the jits as numpy: each call copies them in C++ as it parses its arguments, where a
-        # jnp.asarray per array would run a copy program of its own (about 4x the host CPU of a decode step's uploads).
+        # The host arrays go to the jits as numpy, copied in C++ as each call parses its arguments: a jnp.asarray per
+        # array runs a copy program of its own (decode step, host CPU: ~0.37 ms for the four, ~0.06 ms this way).
         oracle = dict(pending.oracle)
         if self.overlap and "expected_input_ids" in oracle:
             oracle["future_map"] = self.worker.future_token_ids_map  # the map this batch's input ids resolved with
