@@ -487,10 +487,12 @@ class SglangCanary:
         for action in pending.before_forward:
             action(self)
         is_decode = mode.name == "DECODE"
-        oracle = {k: jnp.asarray(v) for k, v in pending.oracle.items()}
+        # The host arrays go to the jits as numpy, copied in C++ as each call parses its arguments: a jnp.asarray per
+        # array runs a copy program of its own (decode step, host CPU: ~0.37 ms for the four, ~0.06 ms this way).
+        oracle = dict(pending.oracle)
         if self.overlap and "expected_input_ids" in oracle:
             oracle["future_map"] = self.worker.future_token_ids_map  # the map this batch's input ids resolved with
-        fields = {**batch_fields(forward_batch), "cache_loc": jnp.asarray(pending.cache_loc)}
+        fields = {**batch_fields(forward_batch), "cache_loc": pending.cache_loc}
         static = dict(layout=self.layout, is_decode=is_decode, capacity=pending.verify_capacity)
         self._run("head", fields, oracle, **static)
         out = self._forward(forward_batch, logits_metadata, *args, **kwargs)
