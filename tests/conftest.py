@@ -75,7 +75,8 @@ def pytest_configure(config: pytest.Config) -> None:
     # jax reads these variables when it is imported there.
     os.environ[_MIN_COMPILE_TIME_ENV] = "0"
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    # Not exported: the engines, servers and scenario processes tests start run many steps, so they keep optimised code.
+    # Not exported: the engines and servers tests start run many steps, so they keep optimised code (the multi-process
+    # scenario, a few dozen steps, is given this level: tests/sharded/test_multiprocess.py).
     jax.config.update("jax_disable_most_optimizations", _optimisations_off())
 
 

@@ -108,7 +108,9 @@ def _batches(draw):
     return rpi, cached, extend, loc, lens
 
 
-@settings(max_examples=12, deadline=None)
+# Derandomized (as the suite's other compiling property tests): each example is a shape, so a compile; the same draws in
+# every run let a CI leg load the programs that an earlier leg on the same jaxlib compiled.
+@settings(max_examples=12, deadline=None, derandomize=True)
 @given(_batches(), st.sampled_from(reference.PADDINGS), st.booleans(), st.booleans())
 def test_kernel_equals_reference(batch, padding, with_lens, tiny):
     rpi, cached, extend, loc, lens = batch
