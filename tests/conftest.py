@@ -38,6 +38,7 @@ _LONG_MODULES = (
     "tests/runtime/test_runner_soak.py",
     "tests/sharded/test_multiprocess.py",
 )
+_KERNEL_TESTS = "tests/pallas_kernels/"
 _MIN_COMPILE_TIME_ENV = "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"
 # XLA:CPU's backend (LLVM) optimisation level 0 for the run: the suite's programs are small, compiled once and run a
 # few times, so their compile is most of CI's time and optimising the machine code costs more than it saves. The HLO
@@ -98,8 +99,12 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Puts ``_LONG_MODULES`` first, in that order, the others after them in collection order. xdist hands whole
-    modules out in this order (pyproject's addopts: ``--dist loadfile --no-loadscope-reorder``)."""
+    """Marks the ops' tests ``kernels`` (pyproject's markers), then puts ``_LONG_MODULES`` first, in that order, the
+    others after them in collection order. xdist hands whole modules out in this order (pyproject's addopts:
+    ``--dist loadfile --no-loadscope-reorder``)."""
+    for item in items:
+        if item.nodeid.startswith(_KERNEL_TESTS):
+            item.add_marker(pytest.mark.kernels)
     rank = {module: i for i, module in enumerate(_LONG_MODULES)}
     items.sort(key=lambda item: rank.get(item.nodeid.split("::", 1)[0], len(rank)))
 

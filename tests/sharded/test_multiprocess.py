@@ -19,6 +19,8 @@ import kvcanary_jax as kc
 from kvcanary_jax.demo import multiprocess
 from tests.sharded import sharding_testlib as lib
 
+pytestmark = pytest.mark.processes
+
 HERE = pathlib.Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 TIMEOUT_S = 600  # generous: a loaded 2-core machine compiles 4 processes slowly; a hang still fails
