@@ -133,7 +133,7 @@ def main() -> None:
     split = [k for k in summary["alone"] if k.startswith("decode cpu ms, ")]
     for key in ("prefill cpu ms", "decode cpu ms", *split, "prefill wall ms", "decode wall ms"):
         a, w = summary["alone"][key], summary["wrapped"][key]
-        print(f"{key:<40}{a:>10.2f}{w:>10.2f}{f'+{w - a:.2f} ms ({(w / a - 1) * 100:+.0f} %)':>20}")
+        print(f"{key:<40}{a:>10.2f}{w:>10.2f}{f'{w - a:+.2f} ms ({(w / a - 1) * 100:+.0f} %)':>20}")
     print(f"steps per run after compile: prefill {summary['alone']['prefill steps']}, decode "
           f"{summary['alone']['decode steps']}; one radix sweep ({slots} slots): {sweep:.1f} ms wall")  # fmt: skip
     if args.json:
