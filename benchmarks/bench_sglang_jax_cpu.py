@@ -34,9 +34,9 @@ CONFIG = CanaryConfig(mode="raise", real_kv_hash_mode="partial", sweep_interval=
 def thread_cpu() -> dict:
     """CPU seconds so far of this process's threads, by group: the scheduler's (this) thread, XLA's compute threads
     (``XLAEigen``), the others (read from ``/proc/self/task``; empty where there is none)."""
-    out = {"scheduler thread": 0.0, "XLA compute threads": 0.0, "other threads": 0.0}
     if not os.path.isdir("/proc/self/task"):
         return {}
+    out = {"scheduler thread": 0.0, "XLA compute threads": 0.0, "other threads": 0.0}
     me = str(threading.get_native_id())
     for tid in os.listdir("/proc/self/task"):
         try:
