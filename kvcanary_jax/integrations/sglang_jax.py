@@ -25,6 +25,8 @@ What the engine's batch becomes (all on device, inside the HEAD / TAIL jits):
   ``cache_loc`` bucket), one compile per size and mode. The canary's work follows its plans' size, and the bucket
   (every row at the model's context length) is many times what a batch holds.
 * sweep: every slot the ``RadixCache`` holds (a depth-first walk of its nodes).
+* the monitor: TAIL and the sweep also return ``CanaryMonitor.snapshot`` of their state, which the step's check
+  hands to ``after_step``: two launches a step (three with a sweep), none of the monitor's own.
 * token oracle: ``req.origin_input_ids + req.output_ids`` of each request, for the write-input assert (the tokens
   each forward writes) and the verify-token assert (each cached slot's token), taken on the scheduler's thread when
   the batch is handed to the worker.
