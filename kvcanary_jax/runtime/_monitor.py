@@ -133,9 +133,7 @@ class CanaryMonitor:
         interval = self.config.sweep_interval
         return self.canary.enabled and interval > 0 and self.step % interval == 0
 
-    def after_step(
-        self, state: CanaryState, *, step: int | None = None, snapshot: jax.Array | None = None
-    ) -> None:
+    def after_step(self, state: CanaryState, *, step: int | None = None, snapshot: jax.Array | None = None) -> None:
         """Stages this step's snapshot and processes the one from ``check_lag_steps`` steps ago.
 
         Args:
