@@ -25,6 +25,8 @@ What the engine's batch becomes (all on device, inside the HEAD / TAIL jits):
   ``cache_loc`` bucket), one compile per size and mode. The canary's work follows its plans' size, and the bucket
   (every row at the model's context length) is many times what a batch holds.
 * sweep: every slot the ``RadixCache`` holds (a depth-first walk of its nodes).
+* the monitor: TAIL and the sweep also return ``CanaryMonitor.snapshot`` of their state, which the step's check
+  hands to ``after_step``: two launches a step (three with a sweep), none of the monitor's own.
 * token oracle: ``req.origin_input_ids + req.output_ids`` of each request, for the write-input assert (the tokens
   each forward writes) and the verify-token assert (each cached slot's token), taken on the scheduler's thread when
   the batch is handed to the worker.
@@ -195,22 +197,26 @@ def batch_fields(forward_batch) -> dict:
     return {k: getattr(forward_batch, k) for k in _FIELDS if getattr(forward_batch, k, None) is not None}
 
 
+# Each launch returns (state, the monitor's snapshot of it or None). TAIL and the sweep may end a step: their
+# snapshot spares the monitor a launch of its own per step.
 @functools.partial(jax.jit, static_argnames=("canary", "layout", "is_decode"), donate_argnums=(0,))
 def _head(state, fields, oracle, *, canary, layout, is_decode):
-    return canary.before_forward(state, canary_batch(fields, layout, is_decode=is_decode, oracle=oracle))
+    return canary.before_forward(state, canary_batch(fields, layout, is_decode=is_decode, oracle=oracle)), None
 
 
 @functools.partial(jax.jit, static_argnames=("canary", "layout", "is_decode"), donate_argnums=(0,))
 def _tail(state, fields, oracle, kv0, *, canary, layout, is_decode):
     k, v = kv_sources(kv0)
     batch = canary_batch(fields, layout, is_decode=is_decode, oracle=oracle)
-    return canary.after_forward(state, batch, canary.kv_sources(full_k=k, full_v=v))
+    state = canary.after_forward(state, batch, canary.kv_sources(full_k=k, full_v=v))
+    return state, kc.CanaryMonitor.snapshot(state)
 
 
 @functools.partial(jax.jit, static_argnames=("canary",), donate_argnums=(0,))
 def _sweep(state, plan, kv0, *, canary):
     k, v = kv_sources(kv0)
-    return canary.sweep(state, plan, canary.kv_sources(full_k=k, full_v=v))
+    state = canary.sweep(state, plan, canary.kv_sources(full_k=k, full_v=v))
+    return state, kc.CanaryMonitor.snapshot(state)
 
 
 _LAUNCHES = {"head": _head, "tail": _tail, "sweep": _sweep}
@@ -332,6 +338,7 @@ class SglangCanary:
         self._pending: dict = {}  # bid -> Pending, from the scheduler's thread to the forward's
         self._current: Pending | None = None
         self._current_bid = None
+        self._snapshot = (None, None)  # (a state, the monitor's snapshot of it) from the latest launch
         self._requests = collections.OrderedDict()  # step -> rids by batch row
         self._forward = self.runner.forward
         self._forward_batch_generation = self.model_worker.forward_batch_generation
@@ -515,7 +522,11 @@ class SglangCanary:
     def _check(self) -> None:
         """The monitor's lagged check; new reports go to ``on_step_end`` first (also when it raises)."""
         try:
-            self.monitor.after_step(self.state, step=self.steps - 1)
+            state, snapshot = self._snapshot
+            if state is self.state:  # the latest launch's snapshot, as no mark_init_finished or adopt came since
+                self.monitor.after_step(self.state, step=self.steps - 1, snapshot=snapshot)
+            else:  # the monitor takes its own (the parallel guard's launches return none)
+                self.monitor.after_step(self.state, step=self.steps - 1)
         finally:
             new, self._reported = self.monitor.observed[self._reported :], len(self.monitor.observed)
             if self.on_step_end is not None:
@@ -555,7 +566,8 @@ class SglangCanary:
         """Runs the ``head``, ``tail`` or ``sweep`` jit on the state, on the engine's mesh, with plans of
         ``capacity`` entries."""
         with jax.set_mesh(self.runner.mesh):
-            self.state = _LAUNCHES[launch](self.state, *args, canary=self._sized_canary(capacity), **static)
+            self.state, snapshot = _LAUNCHES[launch](self.state, *args, canary=self._sized_canary(capacity), **static)
+        self._snapshot = (self.state, snapshot)
 
     def _on_mesh(self, state):
         """The state replicated on the engine's mesh, typed as the jits return it (one compile per shape)."""

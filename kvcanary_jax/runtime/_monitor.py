@@ -20,22 +20,47 @@ from pallas_kernels import checks
 
 logger = logging.getLogger("kvcanary_jax.monitor")  # a stable name users filter on, whatever the module path
 
-_NUM_COUNTER_WORDS = _constants.NUM_LAUNCH_TAGS * 2
+SNAPSHOT_SIZE = 2 + 2 * _constants.NUM_LAUNCH_TAGS * 2  # index, overflows, then both u64 counter tables as i32 words
 
 
-@jax.jit
-def _snapshot(write_index, verify_overflows, kernel_run_counters, slot_run_counters) -> jax.Array:
-    """A fresh i32 copy of what the host polls, so the state itself can be donated to the next step."""
+def _pack(write_index, verify_overflows, kernel_run_counters, slot_run_counters) -> jax.Array:
+    """i32[SNAPSHOT_SIZE]: what the host polls, in the layout :func:`_unpack` reads (pure, traceable)."""
     as_i32 = lambda x: jax.lax.bitcast_convert_type(x, jnp.int32).reshape(-1)  # noqa: E731
     return jnp.concatenate(
         [write_index, verify_overflows, as_i32(kernel_run_counters), as_i32(slot_run_counters)]
     )
 
 
+# A fresh copy in a launch of its own, so the state itself can be donated to the next step.
+_snapshot = jax.jit(_pack)
+
+
+def _polled(state: CanaryState) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """The state's leaves the monitor polls, in :func:`_pack`'s order."""
+    d = state.device
+    return d.violation_log.violation_write_index, state.verify_overflows, d.kernel_run_counters, d.slot_run_counters
+
+
 def _unpack(values: np.ndarray) -> tuple[int, int, np.ndarray, np.ndarray]:
     counters = values[2:].view(np.uint32).reshape(2, _constants.NUM_LAUNCH_TAGS, 2)
     kernel, slot = u64_pairs_as_int64(counters[0]), u64_pairs_as_int64(counters[1])
     return int(values[0]), int(values[1]), kernel, slot
+
+
+def _check_snapshot(snapshot) -> None:
+    """What ``after_step`` accepts as a snapshot: a concrete, live i32[SNAPSHOT_SIZE] jax.Array."""
+    if not isinstance(snapshot, jax.Array) or isinstance(snapshot, jax.core.Tracer):
+        raise TypeError(
+            "snapshot must be the concrete jax.Array CanaryMonitor.snapshot(state) returned from the step's jit (or "
+            f"None); got {type(snapshot).__name__}: snapshot={snapshot!r}"
+        )
+    if snapshot.shape != (SNAPSHOT_SIZE,) or snapshot.dtype != jnp.int32:
+        raise ValueError(
+            f"snapshot must be i32[{SNAPSHOT_SIZE}] (CanaryMonitor.snapshot(state)); got "
+            f"{snapshot.dtype}{list(snapshot.shape)}"
+        )
+    if snapshot.is_deleted():
+        raise ValueError("snapshot was deleted (donated to a jit?): return it from the step as an output not donated")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,13 +133,15 @@ class CanaryMonitor:
         interval = self.config.sweep_interval
         return self.canary.enabled and interval > 0 and self.step % interval == 0
 
-    def after_step(self, state: CanaryState, *, step: int | None = None) -> None:
+    def after_step(self, state: CanaryState, *, step: int | None = None, snapshot: jax.Array | None = None) -> None:
         """Stages this step's snapshot and processes the one from ``check_lag_steps`` steps ago.
 
         Args:
           state: the canary state after the step (and its sweep, if one ran).
           step: the step's number in the caller's loop; reports then name steps by it (default: the count of
             ``after_step`` calls, from 1).
+          snapshot: :meth:`snapshot` of ``state``, returned by the jit that produced ``state``; None: the monitor
+            takes it in a launch of its own.
 
         Raises:
           KvCanaryViolationError: in raise mode, when a processed snapshot shows new violations.
@@ -123,11 +150,14 @@ class CanaryMonitor:
         self._check_state(state)
         if step is not None and not checks.is_int(step):
             raise TypeError(f"step must be an int; got step={step!r}")
+        if snapshot is not None:
+            _check_snapshot(snapshot)
         self.step += 1
         self.user_step = None if step is None else int(step)
         if not self.canary.enabled:
             return
-        snapshot = self._take_snapshot(state)
+        if snapshot is None:
+            snapshot = self._take_snapshot(state)
         snapshot.copy_to_host_async()
         self._pending.append((self.step, self.user_step, snapshot))
         while self._pending and self._pending[0][0] <= self.step - self.config.check_lag_steps:
@@ -159,14 +189,17 @@ class CanaryMonitor:
             )
 
     @staticmethod
+    def snapshot(state: CanaryState) -> jax.Array:
+        """i32[SNAPSHOT_SIZE]: what :meth:`after_step` polls, computed from ``state``; pure and traceable.
+
+        Return it from the jit that produces the step's last state (not donated) and pass it to
+        ``after_step(state, snapshot=...)``: the monitor then launches no copy program of its own.
+        """
+        return _pack(*_polled(state))
+
+    @staticmethod
     def _take_snapshot(state: CanaryState) -> jax.Array:
-        d = state.device
-        return _snapshot(
-            d.violation_log.violation_write_index,
-            state.verify_overflows,
-            d.kernel_run_counters,
-            d.slot_run_counters,
-        )
+        return _snapshot(*_polled(state))
 
     def _process(
         self, step: int, user_step: int | None, snapshot: jax.Array, state: CanaryState, periodic: bool = True

@@ -22,6 +22,7 @@ else:
 import kvcanary_jax as kc  # noqa: E402
 from kvcanary_jax.demo import sglang_engine, sglang_faults  # noqa: E402
 from kvcanary_jax.integrations import sglang_jax  # noqa: E402
+from kvcanary_jax.runtime import _monitor  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # the engine's own (flax .value access)
 _JITS = {"head": sglang_jax._head, "tail": sglang_jax._tail, "sweep": sglang_jax._sweep}
@@ -61,6 +62,25 @@ def test_clean_run_is_silent_and_leaves_the_engine_unchanged(worker, monkeypatch
     assert added["head"] <= len(sized) and added["tail"] <= len(sized) and added["sweep"] <= 1, (added, sized)
     # The plans follow the batch (at most 16 rows of < 64 tokens here), not the cache_loc bucket (8176 entries).
     assert {c for _, c in sized} <= {256, 512, 1024}, sized
+
+
+def test_a_step_is_two_launches_the_monitor_launches_none(worker, monkeypatch):
+    """HEAD and TAIL (and the sweep when due); the monitor reads the snapshot the last of them returned. Before: a
+    third launch per step, the monitor's own snapshot (it still takes one in final_check: the hook sees it)."""
+    launches = [[]]  # per monitor step (a new list at each after_step), the canary's launches by name
+    counted = lambda name, fn: lambda *a, **k: launches[-1].append(name) or fn(*a, **k)  # noqa: E731
+    for name, fn in sglang_jax._LAUNCHES.items():
+        monkeypatch.setitem(sglang_jax._LAUNCHES, name, counted(name, fn))
+    monkeypatch.setattr(_monitor, "_snapshot", counted("monitor snapshot", _monitor._snapshot))
+    after_step = kc.CanaryMonitor.after_step
+    monkeypatch.setattr(kc.CanaryMonitor, "after_step", lambda *a, **k: after_step(*a, **k) or launches.append([]))
+    run = sglang_faults.run(worker, None)
+    assert run.ok, run.note
+    *steps, final = launches
+    interval = sglang_faults.ENGINE_CONFIG.sweep_interval
+    assert len(steps) == run.steps >= 50
+    assert steps == [["head", "tail"] + ["sweep"] * (i % interval == 0) for i in range(run.steps)], steps
+    assert final == ["monitor snapshot"]  # final_check's own, through the same hook
 
 
 @pytest.mark.parametrize("fault", sglang_faults.FAULTS, ids=lambda f: f.value)

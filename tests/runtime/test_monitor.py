@@ -18,6 +18,7 @@ from kvcanary_jax import (
     KvCanaryViolationError,
 )
 from kvcanary_jax.core import _report as report
+from kvcanary_jax.runtime import _monitor
 from kvcanary_jax.demo import model
 from tests.runtime.runner_testlib import TINY_CANARY, TINY_CONFIG, demo_setup, run_steps, tiny_setup
 
@@ -235,3 +236,73 @@ def test_a_slot_already_reported_shows_again_only_as_a_count(caplog, verbose):
     assert ("  incident: same fault of #1 (root: request unknown, position 3, slot 5 (FULL))" in messages[2]) is verbose
     with pytest.raises(TypeError, match=r"verbose must be a bool; got verbose=1"):
         CanaryMonitor(canary, verbose=1)
+
+
+# ------------------------------------------------------------------------- a snapshot the step's own jit returns
+
+
+def _random_step(state, rng, launch_tags):
+    """The state after a random step: 0-2 violation rows appended, random launch counts, maybe an overflow."""
+    tags = [launch_tags[i] for i in rng.choice(len(launch_tags), size=rng.integers(1, 4), replace=False)]
+    rows = [(tag, int(rng.integers(0, 32)), int(rng.integers(0, 8)), FailReason.VERIFY_CHAIN_HASH_MISMATCH)
+            for tag in tags[: rng.integers(0, 3)]]  # fmt: skip
+    state = _bump(_append(state, *rows), tags, by=int(rng.integers(1, 5)))
+    overflows = state.verify_overflows + int(rng.integers(0, 2))
+    return dataclasses.replace(state, verify_overflows=overflows)
+
+
+def test_a_snapshot_from_the_steps_jit_is_the_one_the_monitor_takes():
+    """Layout (hand-decoded), equality with the monitor's own launch, and the same reports step by step."""
+    rng = np.random.default_rng(7)
+    canary = _canary(mode="log", check_lag_steps=1)
+    snapshot = jax.jit(CanaryMonitor.snapshot)
+    state = _random_step(canary.init_state(), rng, canary.launch_tags())
+    words = lambda shape: rng.integers(0, 2**31, size=shape, dtype=np.uint32)  # noqa: E731  (hi < 2**31: int64)
+    kernel, slot = words(state.device.kernel_run_counters.shape), words(state.device.slot_run_counters.shape)
+    device = dataclasses.replace(state.device, kernel_run_counters=jnp.asarray(kernel),
+                                 slot_run_counters=jnp.asarray(slot))  # fmt: skip
+    state = dataclasses.replace(state, device=device)
+    values = np.asarray(snapshot(state))
+    as_ints = lambda pairs: [int(lo) + (int(hi) << 32) for lo, hi in pairs]  # noqa: E731  (u32 (lo, hi) pairs)
+    assert values.dtype == np.int32 and values.shape == (_monitor.SNAPSHOT_SIZE,)
+    index, overflows, got_kernel, got_slot = _monitor._unpack(values)
+    assert (index, overflows) == (int(state.violation_log.violation_write_index[0]), int(state.verify_overflows[0]))
+    assert list(got_kernel) == as_ints(kernel) and list(got_slot) == as_ints(slot)
+    np.testing.assert_array_equal(values, np.asarray(CanaryMonitor._take_snapshot(state)))
+
+    own, handed = CanaryMonitor(canary, log=logging.getLogger("own")), CanaryMonitor(canary, log=logging.getLogger("h"))
+    state = canary.init_state()
+    for step in range(8):
+        state = _random_step(state, rng, canary.launch_tags())
+        own.after_step(state, step=step)
+        handed.after_step(state, step=step, snapshot=snapshot(state))
+    assert own.final_check(state).write_index == handed.final_check(state).write_index > 4
+    seen = lambda m: [(o.step, o.observed_step, o.row, o.violation) for o in m.observed]  # noqa: E731
+    assert seen(handed) == seen(own) and len(own.observed) > 4
+    assert handed._overflows == own._overflows > 0
+
+
+def test_after_step_names_a_bad_snapshot():
+    canary = _canary(mode="log")
+    monitor, state = CanaryMonitor(canary), canary.init_state()
+    good = jax.jit(CanaryMonitor.snapshot)(state)
+    assert _monitor.SNAPSHOT_SIZE == 50  # index, overflows, two u64 tables of 12 tags
+    for bad, error, pattern in [
+        (np.asarray(good), TypeError, r"snapshot must be the concrete jax.Array CanaryMonitor.snapshot\(state\) "
+                                      r"returned from the step's jit \(or None\); got ndarray"),
+        (good[:-1], ValueError, r"snapshot must be i32\[50\] \(CanaryMonitor.snapshot\(state\)\); got int32\[49\]"),
+        (good.astype(jnp.uint32), ValueError, r"got uint32\[50\]"),
+        (good[None], ValueError, r"got int32\[1, 50\]"),
+    ]:  # fmt: skip
+        with pytest.raises(error, match=pattern):
+            monitor.after_step(state, snapshot=bad)
+    with pytest.raises(TypeError, match=r"got DynamicJaxprTracer"):  # after_step is host code, not for inside a jit
+        jax.jit(lambda s: monitor.after_step(state, snapshot=s))(good)
+    donated = jax.jit(lambda x: x + 1, donate_argnums=0)
+    gone = jnp.array(good)
+    donated(gone)
+    with pytest.raises(ValueError, match=r"snapshot was deleted \(donated to a jit\?\)"):
+        monitor.after_step(state, snapshot=gone)
+    assert monitor.step == 0  # refused calls count no step
+    monitor.after_step(state, snapshot=good)
+    assert monitor.step == 1
