@@ -258,8 +258,9 @@ def read_halves(
                 check_expected_token=check_expected_token,
                 entries=entries,
             )
-        words = [stored.reshape(*stored.shape[:2], 8), hash64.join(chain), hash64.join(real_kv), bits[..., None]]
-        words = jnp.concatenate([lax.bitcast_convert_type(w, jnp.uint32) for w in words], axis=-1)
+        # The hash, fold and bits words share their work: computed together, not once per word.
+        derived = fusion.computed_together([lax.bitcast_convert_type(w, jnp.uint32) for w in (*chain, *real_kv, bits)])
+        words = jnp.concatenate([stored.reshape(*stored.shape[:2], 8), jnp.stack(derived, axis=-1)], axis=-1)
         return jnp.moveaxis(words, 1, 0)
 
     entry = jax.ShapeDtypeStruct((len(buffers), _WORDS), jnp.uint32)
