@@ -1,9 +1,10 @@
-"""Shaping XLA's work on CPU: a value computed once for several readers, work that follows a traced count rather
-than an array's static capacity, and a traced zero that orders an in-place store after a read."""
+"""Shaping XLA's work on CPU: a value computed once for several readers, values that share work computed together,
+work that follows a traced count rather than an array's static capacity, and a traced zero that orders an in-place
+store after a read."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -24,6 +25,20 @@ def computed_once(x: jax.Array, index: jax.Array) -> jax.Array:
     buf = jnp.zeros((x.shape[0] + 1, *x.shape[1:]), x.dtype)
     buf = lax.dynamic_update_slice_in_dim(buf, x, zero, 0)
     return lax.dynamic_slice_in_dim(buf, zero, x.shape[0], 0)
+
+
+def computed_together(xs: Sequence[jax.Array]) -> list[jax.Array]:
+    """``xs`` (arrays of one shape, integer dtypes) unchanged, as values XLA computes in one pass over their elements.
+
+    XLA:CPU emits each element of a fusion's output on its own: words stacked into one array (a 64-bit hash's two
+    halves and the bits derived from that hash) each redo the work they share, and the stack's per-element branch
+    stops vectorisation. A multi-output reduce computes all its operands at one index together: here each ``x``
+    gets a trailing axis of two, padded with a zero, and is OR-reduced over it (``x | 0``), so the bytes come back
+    as they were.
+    """
+    padded = [jnp.pad(x[..., None], [(0, 0)] * x.ndim + [(0, 1)]) for x in xs]
+    zeros = [jnp.zeros((), x.dtype) for x in xs]
+    return list(lax.reduce(padded, zeros, lambda a, b: tuple(x | y for x, y in zip(a, b, strict=True)), (xs[0].ndim,)))
 
 
 def leading(

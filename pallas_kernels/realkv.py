@@ -245,7 +245,7 @@ def load_words(data: jax.Array, row: jax.Array, first_word: jax.Array, count: in
 
     Args:
       data: ``[pages, ...]`` of a 1/2/4/8-byte dtype.
-      row, first_word: i32[n]; ``first_word`` is 16-byte aligned (even).
+      row, first_word: i32[n]; ``first_word`` is non-negative and 16-byte aligned (even).
       count: static number of words (even).
     """
     itemsize = jnp.dtype(data.dtype).itemsize
@@ -255,7 +255,8 @@ def load_words(data: jax.Array, row: jax.Array, first_word: jax.Array, count: in
         flat = first_word[:, None] // 2 + jnp.arange(count // 2, dtype=first_word.dtype)
     else:
         flat = first_word[:, None] * per_word + jnp.arange(count * per_word, dtype=first_word.dtype)
-    index = jnp.unravel_index(flat, data.shape[1:])
+    # flat >= 0: unravelled unsigned, plain div/mod (XLA would redo signed fix-ups for every element gathered).
+    index = [i.astype(flat.dtype) for i in jnp.unravel_index(flat.astype(jnp.uint32), data.shape[1:])]
     rows = jnp.broadcast_to(row[:, None], flat.shape)
     # Same-width bitcast first: a free view that keeps the sharding, and no float op can quiet a NaN payload.
     elements = mesh.take(lax.bitcast_convert_type(data, uint), (rows, *index))  # [n, elements]

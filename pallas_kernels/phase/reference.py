@@ -258,9 +258,12 @@ def read_halves(
                 check_expected_token=check_expected_token,
                 entries=entries,
             )
-        words = [stored.reshape(*stored.shape[:2], 8), hash64.join(chain), hash64.join(real_kv), bits[..., None]]
-        words = jnp.concatenate([lax.bitcast_convert_type(w, jnp.uint32) for w in words], axis=-1)
-        return jnp.moveaxis(words, 1, 0)
+        # The hash, fold and bits words share their work: computed together, not once per word (no fold: zeros).
+        shared = [*chain, lax.bitcast_convert_type(bits, jnp.uint32), *(real_kv if fold else ())]
+        shared = fusion.computed_together(shared)
+        chain, bits, real_kv = shared[:2], shared[2], shared[3:] if fold else real_kv
+        words = jnp.stack([*chain, *real_kv, bits], axis=-1)
+        return jnp.moveaxis(jnp.concatenate([stored.reshape(*stored.shape[:2], 8), words], axis=-1), 1, 0)
 
     entry = jax.ShapeDtypeStruct((len(buffers), _WORDS), jnp.uint32)
     words = fusion.leading(read_block, table, num_reqs + num_tokens + plan.active, _BLOCK, entry)

@@ -1,4 +1,7 @@
-"""``fusion.computed_once`` gives its input back byte for byte, whatever the traced index."""
+"""``fusion``'s shaping helpers give their inputs' values back byte for byte (``computed_once`` whatever the traced
+index, ``computed_together`` as one multi-output kernel), ``leading`` the first ``count`` entries."""
+
+import re
 
 import jax
 import jax.numpy as jnp
@@ -21,6 +24,24 @@ def test_computed_once_returns_its_input_unchanged(index):
     expected = hash64.join(hash64.splitmix64(hash64.split(x)))
     np.testing.assert_array_equal(np.asarray(once), np.asarray(expected))
     np.testing.assert_array_equal(np.asarray(xors), np.asarray(expected[1:] ^ expected[:-1]))
+
+
+def test_computed_together_returns_its_inputs_unchanged_from_one_kernel():
+    rng = np.random.default_rng(3)
+    x = jnp.asarray(np.concatenate([[0, 1, 2**31, 2**32 - 1], rng.integers(0, 2**32, 12)]).astype(np.uint32))
+    signed = jnp.asarray(np.array([-(2**31), -1, 0, 2**31 - 1] * 4, np.int32))
+
+    def words(x, signed):  # a hash's two halves and a word derived from it, plus a signed word
+        lo, hi = hash64.splitmix64(hash64.split(jnp.stack([x, x ^ 7], axis=-1)))
+        return [lo, hi, lo ^ hi, signed * 3]
+
+    step = jax.jit(lambda x, signed: fusion.computed_together(words(x, signed)))
+    got, expected = step(x, signed), words(x, signed)
+    for g, e in zip(got, expected, strict=True):
+        assert g.dtype == e.dtype
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(e))
+    text = step.lower(x, signed).compile().as_text()  # one instruction gives all four: a multi-output reduce
+    assert re.search(r"= \((u32\[16\]\S*, ){3}s32\[16\]\S*\) (fusion|reduce)\(", text), text
 
 
 @pytest.mark.parametrize("count", [0, 3, 4, 9, 10, 12])
