@@ -26,9 +26,7 @@ SNAPSHOT_SIZE = 2 + 2 * _constants.NUM_LAUNCH_TAGS * 2  # index, overflows, then
 def _pack(write_index, verify_overflows, kernel_run_counters, slot_run_counters) -> jax.Array:
     """i32[SNAPSHOT_SIZE]: what the host polls, in the layout :func:`_unpack` reads (pure, traceable)."""
     as_i32 = lambda x: jax.lax.bitcast_convert_type(x, jnp.int32).reshape(-1)  # noqa: E731
-    return jnp.concatenate(
-        [write_index, verify_overflows, as_i32(kernel_run_counters), as_i32(slot_run_counters)]
-    )
+    return jnp.concatenate([write_index, verify_overflows, as_i32(kernel_run_counters), as_i32(slot_run_counters)])
 
 
 # A fresh copy in a launch of its own, so the state itself can be donated to the next step.

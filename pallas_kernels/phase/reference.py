@@ -336,7 +336,7 @@ def _verify_set(
 ) -> RowSet:
     """The verify rows of launches that read half ``halves[j]`` of ``loaded``, one tag each, with fail ``bits``
     i32[launches, capacity] (None: ``loaded``'s own, read where the rows are built)."""
-    batch, plan = p.batch, p.plan
+    batch = p.batch
 
     def build(launch, entries):
         stored, expected_chain, own_bits, at = loaded.verify(jnp.asarray(halves, jnp.int32)[launch], entries)
@@ -524,4 +524,3 @@ def phase(
     ]
     pending = list(p.pending) + [(rows, h) for h in range(len(buffers)) for rows in (verify, write)]
     return finish(log, p, pending, new_buffers, written, spec.tags)
-

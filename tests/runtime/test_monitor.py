@@ -18,8 +18,8 @@ from kvcanary_jax import (
     KvCanaryViolationError,
 )
 from kvcanary_jax.core import _report as report
-from kvcanary_jax.runtime import _monitor
 from kvcanary_jax.demo import model
+from kvcanary_jax.runtime import _monitor
 from tests.runtime.runner_testlib import TINY_CANARY, TINY_CONFIG, demo_setup, run_steps, tiny_setup
 
 T = CanaryLaunchTag
