@@ -47,10 +47,13 @@ def main() -> None:
             for hooked in (False, True):
                 carried = sglang_hicache.carry_records(guard, sched.tree_cache) if hooked else None
                 calls = {name: getattr(pool, name) for name in bare}
-                backup = _time(lambda c=calls: (c["stage_backup"](pages, ids), c["flush_backup"](ids)), args.repeats)
+                backup = _time(
+                    lambda c=calls, pages=pages, ids=ids: (c["stage_backup"](pages, ids), c["flush_backup"](ids)),
+                    args.repeats,
+                )
                 bare["stage_load"](ids)
 
-                def load(c=calls):
+                def load(c=calls, pages=pages, ids=ids):
                     bare["stage_load"](ids)  # the H2D put, off the step path: the same with or without the canary
                     t = time.perf_counter()
                     c["flush_load"](ids, pages)

@@ -12,7 +12,6 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-
 # Up to this many integer entries, the sum is a masked reduction over every pair: XLA fuses it with what computes
 # ``x`` and what reads the sums (a ``reduce_window`` is a kernel of its own to compile on CPU).
 PAIRWISE_MAX_ENTRIES = 32

@@ -26,6 +26,7 @@ from pallas_kernels.phase import api as phase_api
 from pallas_kernels.verify import api as verify_api
 from pallas_kernels.write import api as write_api
 
+
 def commit(
     state: CanaryDeviceState, tag: int, flags: jax.Array, build_rows: _ring.RowBuilder, entries: jax.Array
 ) -> CanaryDeviceState:

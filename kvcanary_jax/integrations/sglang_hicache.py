@@ -219,7 +219,7 @@ class HostRecords:
         scratch = {bid: i + 1 for i, (bid, _, _) in enumerate(chosen)}
         slots = np.zeros((k, ps), np.int32)
         positions, prev = np.zeros_like(slots), np.zeros_like(slots)
-        for i, (bid, position, before) in enumerate(chosen):
+        for i, (_, position, before) in enumerate(chosen):
             slots[i] = (i + 1) * ps + np.arange(ps)
             positions[i] = position + np.arange(ps)
             prev[i] = slots[i] - 1

@@ -37,7 +37,6 @@ from kvcanary_jax.runtime._batch import CanaryBatch, CanaryState
 from pallas_kernels import checks, mesh
 
 
-
 @dataclasses.dataclass(frozen=True)
 class KvCanary:
     """The canary of one KV pool: static settings plus pure functions over :class:`CanaryState`.

@@ -562,7 +562,7 @@ def phase(
     if report_checks:  # the batch checks' candidates: the rows' INVALID_INPUT rows, placed first
         input_issues, checked = checked[-1], checked[: len(checked) - len(batch_outs)]
 
-    flags, prev_hash = checked[4], checked[2]
+    flags = checked[4]
     winner = ()
     if config.dedupe == "sort":
         loc = common.translate(batch.out_cache_loc, *common.lut_reader(batch.full_to_swa_index_mapping))

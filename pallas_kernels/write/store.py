@@ -7,7 +7,6 @@ import jax.numpy as jnp
 
 from pallas_kernels import hash64, records
 
-
 # Up to this many entries, last_writer (and the phase's rejected-request check) compares every pair: one fused
 # kernel, where on CPU each sort or scatter is a kernel of its own to compile. Above, it sorts (O(T log T)).
 PAIRWISE_MAX_ENTRIES = 128

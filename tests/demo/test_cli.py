@@ -10,7 +10,6 @@ from kvcanary_jax import __main__ as cli_main
 from kvcanary_jax.demo import cli, faults
 from kvcanary_jax.testing import FaultKind, expected_detection
 
-
 _LIVE = "KV bytes of this slot changed after they were written: during this step's forward (a kernel wrote the wrong " \
     "slot) or between steps\n  explains 1 row(s)"
 _IDLE = "KV bytes of an idle prefix-cached slot changed: the slot was overwritten while cached (an allocation or " \
