@@ -1,16 +1,17 @@
 """What the canary adds on CPU: compile time, step time and compiled HLO size, wrapped vs the same step unwrapped.
 
-    python benchmarks/bench_cpu_cost.py [--only readme,demo,sglang] [--backends xla,interpret,interpret_tpu]
+    python benchmarks/bench_cpu_cost.py [--only readme,demo,demo-full,sglang] [--backends xla,interpret,interpret_tpu]
                                         [--reps 50] [--baseline-tree /work/main]
 
 Per shape and backend, the step is built twice: unwrapped (the forward alone) and wrapped (the canary's HEAD and TAIL
 around it). Compile is ``lower`` + ``compile`` from a cold cache (``jax.clear_caches()``, no persistent cache); the
 step time is the median of ``--reps`` steady-state calls (outputs fed back, ``block_until_ready``); the HLO counts are
 the instructions and fusions of ``compiled.as_text()``. Shapes: the README's wrap snippet (256 slots, page 16, 4 rows,
-PARTIAL K+V), the demo's step (its fault-run config: SWA, K only, both asserts) and the sglang-jax tiny engine's
-decode (when ``sgl_jax`` imports; step time only, through ``bench_sglang_jax_cpu``). ``--baseline-tree`` runs the same
-measurements on another checkout (e.g. main's) in a subprocess, interleaved per shape, for before/after pairs on one
-loaded machine. Progress goes to stderr, a markdown table to stdout.
+PARTIAL K+V), the demo's step (its fault-run config: SWA, K only, both asserts), ``demo-full`` (the same build without
+its SWA group: one group's phases) and the sglang-jax tiny engine's decode (when ``sgl_jax`` imports; step time only,
+through ``bench_sglang_jax_cpu``). ``--baseline-tree`` runs the same measurements on another checkout (e.g. main's) in
+a subprocess, interleaved per shape, for before/after pairs on one loaded machine. Progress goes to stderr, a markdown
+table to stdout.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ import numpy as np
 
 jax.config.update("jax_enable_compilation_cache", False)
 
-SHAPES = ("readme", "demo", "sglang")
+SHAPES = ("readme", "demo", "demo-full", "sglang")
 BACKENDS = ("xla", "interpret", "interpret_tpu")
 
 
@@ -88,14 +89,15 @@ def readme_step(backend: str, wrapped: bool) -> Built:
     return step, (kv, state, batch), lambda args, out: (out[0], out[1], args[2])
 
 
-def demo_step(backend: str, wrapped: bool) -> Built:
-    """The demo's jitted step (its fault runs' config and build), on a decode-and-prefill batch of its scheduler."""
+def demo_step(backend: str, wrapped: bool, *, swa: bool = True) -> Built:
+    """The demo's jitted step (its fault runs' config and build), on a decode-and-prefill batch of its scheduler.
+    Without ``swa`` (the ``demo-full`` shape), the same build with its FULL group only: one group's phases."""
     import dataclasses
 
     from kvcanary_jax.demo import faults, loop
 
     config = dataclasses.replace(faults.DEMO_CONFIG, backend=backend) if wrapped else loop._OFF
-    setup = loop.build_demo(canary_config=config, **faults.DEMO_BUILD)
+    setup = loop.build_demo(canary_config=config, **{**faults.DEMO_BUILD, "swa": swa})
     for _ in range(6):  # past the first prefills: running decodes mixed with new requests
         batch = setup.scheduler.step()
         setup.scheduler.commit(None)
@@ -163,7 +165,7 @@ def sglang_decode(reps: int) -> dict | None:
     return {name: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for name, rs in runs.items()}
 
 
-BUILDERS = {"readme": readme_step, "demo": demo_step}
+BUILDERS = {"readme": readme_step, "demo": demo_step, "demo-full": functools.partial(demo_step, swa=False)}
 
 
 def run_shape(shape: str, backends: list[str], reps: int) -> list[dict]:
