@@ -75,6 +75,25 @@ def test_device_hash_equals_host_hash_on_random_values():
     assert got == [testing.mix3(int(x), int(y), int(z)) for x, y, z in zip(a, b, c, strict=True)]
 
 
+def test_splitmix64_is_traced_once_per_input_shape():
+    """A phase hashes at many call sites: each input shape's trace is made once and shared, not redone per call."""
+
+    def three(a, b, c):
+        return hash64.splitmix64(a), hash64.splitmix64(b), hash64.splitmix64(c)
+
+    def pair(n, seed):
+        words = np.random.default_rng(seed).integers(0, 2**32, size=(2, n), dtype=np.uint32)
+        return jnp.asarray(words[0]), jnp.asarray(words[1])
+
+    args = (pair(8, 0), pair(8, 1), pair(16, 2))
+    eqns = jax.make_jaxpr(three)(*args).jaxpr.eqns
+    traces = [e.params["jaxpr"] for e in eqns if e.params.get("name") == "splitmix64"]
+    assert len(traces) == len(eqns) == 3, [e.primitive.name for e in eqns]
+    assert traces[0] is traces[1] and traces[2] is not traces[0]
+    got = [_ints(h) for h in three(*args)]
+    assert got == [[testing.splitmix64(int(lo) | int(hi) << 32) for lo, hi in zip(*a, strict=True)] for a in args]
+
+
 def test_u64_helpers_match_python_ints():
     rng = np.random.default_rng(7)
     a = rng.integers(0, 2**64, size=256, dtype=np.uint64, endpoint=False)
