@@ -175,8 +175,8 @@ def _with_roles(rng, batch: common.Batch, *, masked: bool) -> common.Batch:
     loc = np.asarray(batch.out_cache_loc).copy()
     for r in np.nonzero(~active)[0] if masked else ():
         loc[starts[r] : starts[r] + span[r]] = -1
-    return dataclasses.replace(batch,
-        out_cache_loc=jnp.asarray(loc), active=jnp.asarray(active, jnp.int32), span_lens=jnp.asarray(span)
+    return dataclasses.replace(
+        batch, out_cache_loc=jnp.asarray(loc), active=jnp.asarray(active, jnp.int32), span_lens=jnp.asarray(span)
     )
 
 
