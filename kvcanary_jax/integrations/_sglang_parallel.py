@@ -136,6 +136,16 @@ class ParallelSglangCanary(sglang_jax.SglangCanary):
                  for r, rank_reqs in enumerate(reqs)]  # fmt: skip
         return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
 
+    def _host_fields(self, model_worker_batch, *, is_decode: bool) -> dict:
+        """Only ``cache_loc`` is copied on the host (its buffer is reused); the rest is read from the device batch."""
+        return {"cache_loc": np.array(model_worker_batch.cache_loc, np.int32)}
+
+    def _launch_fields(self, pending, forward_batch) -> dict:
+        return {**sglang_jax.batch_fields(forward_batch), "cache_loc": pending.fields["cache_loc"]}
+
+    def precompile(self) -> int:
+        raise NotImplementedError("the parallel guard compiles its programs at the first forward of each shape")
+
     def _verify_capacity(self, model_worker_batch) -> int:
         """The busiest DP rank's (every rank runs plans of one size)."""
         sections = (_section(model_worker_batch, r, self.dp) for r in range(self.dp))

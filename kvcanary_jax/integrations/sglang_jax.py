@@ -49,7 +49,10 @@ import collections
 import dataclasses
 import functools
 import importlib
+import logging
 import math
+import threading
+import time
 from collections.abc import Callable
 
 import jax
@@ -61,6 +64,8 @@ from jax.sharding import PartitionSpec as P
 
 import kvcanary_jax as kc
 
+logger = logging.getLogger("kvcanary_jax.sglang_jax")
+
 INSTALL_HINT = (
     'kvcanary_jax.integrations.sglang_jax needs sglang-jax: pip install "kvcanary-jax[sglang-jax]" '
     "(Python >= 3.12; it installs sglang-jax[cpu]==0.1.0rc0, the release on jax 0.10.2)"
@@ -70,6 +75,7 @@ _FIELDS = ("input_ids", "positions", "out_cache_loc", "req_pool_indices", "seq_l
 _MAPPED_MODES = ("EXTEND", "MIXED", "DECODE")
 _KEEP_REQUESTS = 64  # steps whose batch requests are kept for report lookups
 _MIN_CAPACITY = 256  # the smallest plan a forward (or an adoption) is sized for
+_LADDER_STEP = 4  # each plan size is this many times the one below it
 
 
 def require_sglang_jax():
@@ -149,12 +155,12 @@ def canary_batch(fields: dict, layout: Layout, *, is_decode: bool, oracle: dict)
     if not jax.sharding.get_abstract_mesh().empty:  # P("data") on the engine's mesh: the mapping works replicated
         fields = {k: jax.sharding.reshard(v, P()) for k, v in fields.items()}
         oracle = {k: jax.sharding.reshard(v, P()) for k, v in oracle.items()}
-    oracle = dict(oracle)
-    future_map = oracle.pop("future_map", None)
-    if future_map is not None and "expected_input_ids" in oracle:
-        expected = oracle["expected_input_ids"]
-        resolved = future_map[jnp.clip(-expected, 0, future_map.shape[0] - 1)]
-        oracle["expected_input_ids"] = jnp.where(expected < 0, resolved, expected)
+    fields, oracle = dict(fields), dict(oracle)
+    future_map = fields.pop("future_map", None)
+    if future_map is not None:  # the overlap scheduler's placeholders, resolved as the engine resolves them
+        fields["input_ids"] = resolve_future(fields["input_ids"], future_map)
+        if "expected_input_ids" in oracle:
+            oracle["expected_input_ids"] = resolve_future(oracle["expected_input_ids"], future_map)
     rpi, seq_lens = fields["req_pool_indices"].astype(jnp.int32), fields["seq_lens"].astype(jnp.int32)
     real = (rpi >= 0) & (seq_lens > 0)
     rows = jnp.where(real, jnp.arange(rpi.shape[0], dtype=jnp.int32), -1)
@@ -176,13 +182,103 @@ def canary_batch(fields: dict, layout: Layout, *, is_decode: bool, oracle: dict)
     )
 
 
-def sized_capacity(need: int, limit: int) -> int:
-    """A plan capacity for ``need`` entries: the next power of two, at least 256, at most ``limit``.
+def resolve_future(ids: jax.Array, future_map: jax.Array) -> jax.Array:
+    """A negative id ``-k`` is the token at ``future_map[k]`` (sglang-jax's ``resolve_future_token_ids``); traced."""
+    return jnp.where(ids < 0, future_map[jnp.clip(-ids, 0, future_map.shape[0] - 1)], ids)
 
-    The canary's work scales with its plan's capacity, not with what the plan lists: a few power-of-two sizes keep
-    it near the batch's own size at a few compiles per mode.
+
+@dataclasses.dataclass(frozen=True)
+class Shapes:
+    """The one shape per kind of forward the canary's programs see, whatever bucket the engine padded a batch to.
+
+    The engine pads a batch to one of its buckets (rows, tokens, ``cache_loc``); the canary pads it further, on the
+    host, to the largest, so its HEAD and TAIL compile once per kind and plan size (at startup, see
+    :meth:`SglangCanary.precompile`), never per bucket, and a smaller bucket is never refused.
+
+    Attributes:
+      rows: batch rows (the largest batch-size bucket).
+      decode_tokens: a DECODE batch's tokens (one per row: the largest batch-size bucket).
+      extend_tokens: an EXTEND or MIXED batch's tokens (the largest token bucket).
+      cache_loc: ``cache_loc`` entries (the largest ``cache_loc`` bucket).
     """
-    return min(limit, max(_MIN_CAPACITY, 1 << max(need - 1, 0).bit_length()))
+
+    rows: int
+    decode_tokens: int
+    extend_tokens: int
+    cache_loc: int
+
+    @classmethod
+    def of(cls, worker) -> Shapes:
+        """From the engine's buckets (``get_precompile_paddings``)."""
+        token_buckets, bs_buckets, cache_loc_buckets = worker.get_precompile_paddings()
+        rows = int(max(bs_buckets))
+        return cls(rows=rows, decode_tokens=rows, extend_tokens=max(int(max(token_buckets)), rows),
+                   cache_loc=int(max(cache_loc_buckets)))  # fmt: skip
+
+    def tokens(self, is_decode: bool) -> int:
+        return self.decode_tokens if is_decode else self.extend_tokens
+
+
+def _padded(x, n: int, fill: int, what: str) -> np.ndarray:
+    """``x`` as i32[n], its tail ``fill``; a longer ``x`` is an engine set-up the canary was not sized for."""
+    x = np.asarray(x, np.int32).reshape(-1)
+    if x.shape[0] > n:
+        raise ValueError(f"the engine's batch has {x.shape[0]} {what}, more than the largest bucket ({n}) the canary "
+                         "was sized for at startup")  # fmt: skip
+    out = np.full(n, fill, np.int32)
+    out[: x.shape[0]] = x
+    return out
+
+
+def host_fields(model_worker_batch, shapes: Shapes, *, is_decode: bool) -> dict:
+    """The ``ModelWorkerBatch``'s arrays the mapping reads, copied and padded to ``shapes`` (numpy).
+
+    Padding follows the engine's own: rows ``req_pool_indices = -1`` with no tokens, tokens ``out_cache_loc = -1``
+    (not written). A copy, as the engine reuses its host buffers (``cache_loc``) for the next batch.
+    """
+    mwb, t, r = model_worker_batch, shapes.tokens(is_decode), shapes.rows
+    fields = {
+        "input_ids": _padded(mwb.input_ids, t, 0, "tokens"),
+        "positions": _padded(mwb.positions, t, 0, "tokens"),
+        "out_cache_loc": _padded(mwb.out_cache_loc, t, -1, "tokens"),
+        "req_pool_indices": _padded(mwb.req_pool_indices, r, -1, "rows"),
+        "seq_lens": _padded(mwb.seq_lens, r, 0, "rows"),
+        "cache_loc": _padded(mwb.cache_loc, shapes.cache_loc, 0, "cache_loc entries"),
+    }
+    if not is_decode:
+        fields["extend_prefix_lens"] = _padded(mwb.extend_prefix_lens, r, 0, "rows")
+        fields["extend_seq_lens"] = _padded(mwb.extend_seq_lens, r, 0, "rows")
+    return fields
+
+
+def padded_oracle(oracle: dict, shapes: Shapes, *, is_decode: bool) -> dict:
+    """A :func:`token_oracle` padded to ``shapes`` as :func:`host_fields` pads the batch."""
+    out = dict(oracle)
+    if "expected_input_ids" in out:
+        out["expected_input_ids"] = _padded(out["expected_input_ids"], shapes.tokens(is_decode), 0, "tokens")
+    if "token_ids_lens" in out:
+        out["token_ids_lens"] = _padded(out["token_ids_lens"], shapes.rows, 0, "rows")
+    return out
+
+
+def capacity_ladder(limit: int) -> tuple[int, ...]:
+    """The plan capacities a forward may run with: 256, then x4 each, up to ``limit`` (the largest ``cache_loc``
+    bucket), which ends the ladder. Each is a HEAD and a TAIL program per kind of forward, compiled at startup; x4
+    keeps that to a few programs while a plan stays within 4x of what its batch verifies."""
+    sizes = [min(_MIN_CAPACITY, limit)]
+    while sizes[-1] < limit:
+        sizes.append(min(limit, sizes[-1] * _LADDER_STEP))
+    return tuple(sizes)
+
+
+def sized_capacity(need: int, limit: int) -> int:
+    """The plan capacity for ``need`` entries: the smallest of :func:`capacity_ladder` that holds them (at most
+    ``limit``).
+
+    The canary's work scales with its plan's capacity, not with what the plan lists: a few sizes keep it near the
+    batch's own size at a few programs per kind of forward.
+    """
+    return next((c for c in capacity_ladder(limit) if c >= need), limit)
 
 
 def verify_need(model_worker_batch) -> int:
@@ -285,17 +381,18 @@ class Pending:
     """What the scheduler's thread hands one forward (taken when the batch goes to the worker).
 
     Attributes:
-      rids: each batch row's ``rid``; oracle: the host token oracle (numpy); cache_loc: a copy of the batch's
-      ``cache_loc`` (the engine builds it in one host buffer it reuses every step: under the overlap scheduler the next
-      batch overwrites it while this one runs, and on CPU the device array may alias it); verify_capacity: the
-      HEAD and TAIL plans' size (:func:`sized_capacity` of the batch's :func:`verify_need`); sweep: the radix slots to
-      verify after the forward (overlap scheduler only); before_forward / before_sweep: callables run on the
-      forward's thread (fault drills).
+      rids: each batch row's ``rid``; oracle: the host token oracle (numpy); fields: the batch's arrays the mapping
+      reads, copied (the engine builds ``cache_loc`` in one host buffer it reuses every step: under the overlap
+      scheduler the next batch overwrites it while this one runs) and padded to the guard's :class:`Shapes`;
+      is_decode: a DECODE batch; verify_capacity: the HEAD and TAIL plans' size (:func:`sized_capacity` of the
+      batch's :func:`verify_need`); sweep: the radix slots to verify after the forward (overlap scheduler only);
+      before_forward / before_sweep: callables run on the forward's thread (fault drills).
     """
 
     rids: list
     oracle: dict
-    cache_loc: np.ndarray | None = None
+    fields: dict
+    is_decode: bool
     verify_capacity: int | None = None
     sweep: kc.SweepEntries | None = None
     before_forward: list = dataclasses.field(default_factory=list)
@@ -324,9 +421,10 @@ class SglangCanary:
         page_size = int(kv0.shape[1])
         width = int(table_width or self.runner.model_config.context_len)
         self.layout = Layout(page_size=page_size, table_width=-(-width // page_size) * page_size)
-        _, bs_buckets, cache_loc_buckets = worker.get_precompile_paddings()
-        self.max_bs = int(max(bs_buckets))
-        self.max_verify = int(max(cache_loc_buckets))  # a forward verifies at most the slots attention reads
+        self.shapes = Shapes.of(worker)
+        self.max_bs = self.shapes.rows
+        self.max_verify = self.shapes.cache_loc  # a forward verifies at most the slots attention reads
+        self.lock = threading.RLock()  # held by each step (launches and check), a sweep, a flush
         self._build(kv0, max_verify=self.max_verify)
         self._sized: dict[int, kc.KvCanary] = {}  # verify capacity -> the canary with plans of that size
         self.steps = 0
@@ -339,6 +437,7 @@ class SglangCanary:
         self._current: Pending | None = None
         self._current_bid = None
         self._snapshot = (None, None)  # (a state, the monitor's snapshot of it) from the latest launch
+        self._last_step_end = -math.inf
         self._requests = collections.OrderedDict()  # step -> rids by batch row
         self._forward = self.runner.forward
         self._forward_batch_generation = self.model_worker.forward_batch_generation
@@ -447,15 +546,16 @@ class SglangCanary:
         oracle = {}
         if write or verify:
             oracle = self._token_oracle(reqs, model_worker_batch, write=write, verify=verify)
-        pending = Pending(rids=self._rids(reqs), oracle=oracle,
-                          cache_loc=np.array(model_worker_batch.cache_loc, np.int32),
+        is_decode = model_worker_batch.forward_mode.is_decode()
+        pending = Pending(rids=self._rids(reqs), oracle=oracle, fields={}, is_decode=is_decode,
                           verify_capacity=self._verify_capacity(model_worker_batch))  # fmt: skip
         interval = self.config.sweep_interval
         if self.overlap and self.tree_cache is not None and interval > 0 and self._enqueued % interval == 0:
             pending.sweep = radix_entries(self.tree_cache)  # the tree as the scheduler's thread holds it now
         self._enqueued += 1
         if self.on_enqueue is not None:
-            self.on_enqueue(self, model_worker_batch, pending)
+            self.on_enqueue(self, model_worker_batch, pending)  # a drill may change the batch: copy it after
+        pending.fields = self._host_fields(model_worker_batch, is_decode=is_decode)
         return pending
 
     def _enqueue(self, model_worker_batch, *args, **kwargs):
@@ -493,18 +593,20 @@ class SglangCanary:
             )
         for action in pending.before_forward:
             action(self)
-        is_decode = mode.name == "DECODE"
+        if pending.is_decode != (mode.name == "DECODE"):
+            raise ValueError(f"the forward is {mode.name} but its batch was handed over as another kind")
+        with self.lock:  # a flush from another thread (shutdown) waits for the whole step
+            return self._guarded_forward(pending, forward_batch, logits_metadata, *args, **kwargs)
+
+    def _guarded_forward(self, pending: Pending, forward_batch, logits_metadata, *args, **kwargs):
         # The host arrays go to the jits as numpy, copied in C++ as each call parses its arguments: a jnp.asarray per
         # array runs a copy program of its own (decode step, host CPU: ~0.37 ms for the four, ~0.06 ms this way).
-        oracle = dict(pending.oracle)
-        if self.overlap and "expected_input_ids" in oracle:
-            oracle["future_map"] = self.worker.future_token_ids_map  # the map this batch's input ids resolved with
-        fields = {**batch_fields(forward_batch), "cache_loc": pending.cache_loc}
-        static = dict(layout=self.layout, is_decode=is_decode, capacity=pending.verify_capacity)
-        self._run("head", fields, oracle, **static)
+        fields = self._launch_fields(pending, forward_batch)
+        static = dict(layout=self.layout, is_decode=pending.is_decode, capacity=pending.verify_capacity)
+        self._run("head", fields, pending.oracle, **static)
         out = self._forward(forward_batch, logits_metadata, *args, **kwargs)
         kv0 = self.runner.token_to_kv_pool.kv_buffer[0]  # the forward donated the pools: read them afresh
-        self._run("tail", fields, oracle, kv0, **static)
+        self._run("tail", fields, pending.oracle, kv0, **static)
         if self.steps == 0:  # warm-up over: the write-time chain-position assert turns on
             self._mark_init_finished()
         self._requests[self.steps] = pending.rids
@@ -521,16 +623,41 @@ class SglangCanary:
 
     def _check(self) -> None:
         """The monitor's lagged check; new reports go to ``on_step_end`` first (also when it raises)."""
-        try:
-            state, snapshot = self._snapshot
-            if state is self.state:  # the latest launch's snapshot, as no mark_init_finished or adopt came since
-                self.monitor.after_step(self.state, step=self.steps - 1, snapshot=snapshot)
-            else:  # the monitor takes its own (the parallel guard's launches return none)
-                self.monitor.after_step(self.state, step=self.steps - 1)
-        finally:
-            new, self._reported = self.monitor.observed[self._reported :], len(self.monitor.observed)
-            if self.on_step_end is not None:
-                self.on_step_end(self, new)
+        with self.lock:
+            try:
+                state, snapshot = self._snapshot
+                if state is self.state:  # the latest launch's snapshot, as no mark_init_finished or adopt came since
+                    self.monitor.after_step(self.state, step=self.steps - 1, snapshot=snapshot)
+                else:  # the monitor takes its own (the parallel guard's launches return none)
+                    self.monitor.after_step(self.state, step=self.steps - 1)
+            finally:
+                self._last_step_end = time.monotonic()
+                self._hand_over()
+
+    def _hand_over(self) -> None:
+        """Gives ``on_step_end`` the reports it has not seen (the lock held)."""
+        new, self._reported = self.monitor.observed[self._reported :], len(self.monitor.observed)
+        if self.on_step_end is not None:
+            self.on_step_end(self, new)
+
+    def flush(self) -> kc.ViolationReport:
+        """Blocking: reads every check still pending (the last ``check_lag_steps`` steps) and hands new reports to
+        ``on_step_end``; for an idle server and at shutdown. Safe from any thread (it waits for a running launch)."""
+        with self.lock:
+            try:
+                return self.monitor.final_check(self.state)
+            finally:
+                self._hand_over()
+
+    @property
+    def unread_steps(self) -> int:
+        """Steps whose check has not been read yet (they are read ``check_lag_steps`` steps later, or by flush)."""
+        return len(self.monitor._pending)
+
+    @property
+    def idle_s(self) -> float:
+        """Seconds since the last step ended (``inf`` before the first)."""
+        return time.monotonic() - self._last_step_end
 
     # -- what a parallel engine's guard (``_sglang_parallel``) replaces ---------------------------------------------
 
@@ -544,7 +671,8 @@ class SglangCanary:
         return [getattr(r, "rid", None) for r in reqs or []]
 
     def _token_oracle(self, reqs, model_worker_batch, *, write: bool, verify: bool) -> dict:
-        return token_oracle(reqs, model_worker_batch, self.layout, max_bs=self.max_bs, write=write, verify=verify)
+        oracle = token_oracle(reqs, model_worker_batch, self.layout, max_bs=self.max_bs, write=write, verify=verify)
+        return padded_oracle(oracle, self.shapes, is_decode=model_worker_batch.forward_mode.is_decode())
 
     def _verify_capacity(self, model_worker_batch) -> int:
         """The HEAD and TAIL plans' size for this batch."""
@@ -565,9 +693,67 @@ class SglangCanary:
     def _run(self, launch: str, *args, capacity: int | None = None, **static) -> None:
         """Runs the ``head``, ``tail`` or ``sweep`` jit on the state, on the engine's mesh, with plans of
         ``capacity`` entries."""
-        with jax.set_mesh(self.runner.mesh):
+        with self.lock, jax.set_mesh(self.runner.mesh):
             self.state, snapshot = _LAUNCHES[launch](self.state, *args, canary=self._sized_canary(capacity), **static)
-        self._snapshot = (self.state, snapshot)
+            self._snapshot = (self.state, snapshot)
+
+    def _host_fields(self, model_worker_batch, *, is_decode: bool) -> dict:
+        """The batch's arrays for the launches, copied on the scheduler's thread: :func:`host_fields`."""
+        return host_fields(model_worker_batch, self.shapes, is_decode=is_decode)
+
+    def _launch_fields(self, pending: Pending, forward_batch) -> dict:
+        """The arrays HEAD and TAIL map: the copied host fields, and under the overlap scheduler the future-token
+        map this batch's placeholders resolve with (read on the forward's thread)."""
+        if self.overlap:
+            return {**pending.fields, "future_map": self.worker.future_token_ids_map}
+        return pending.fields
+
+    def compiled_programs(self) -> dict[str, int]:
+        """How many programs each of the guard's launches holds compiled (to show that serving compiles none)."""
+        return {name: fn._cache_size() for name, fn in _LAUNCHES.items()}
+
+    def precompile(self) -> int:
+        """Compiles, before anything serves, every HEAD and TAIL program a forward can need: each kind (DECODE,
+        EXTEND / MIXED) at each plan size of :func:`capacity_ladder`, and the sweep. They run on a scratch state with
+        an all-padding batch: no record is written, no violation can come of it. Returns the programs compiled."""
+        before = sum(self.compiled_programs().values())
+        scratch = self._on_mesh(self.canary.init_state())
+        kv0 = self.runner.token_to_kv_pool.kv_buffer[0]
+        write, verify = self.config.enable_write_input_assert, self.config.enable_verify_token_assert
+        for is_decode in (True, False):
+            fields, oracle = self._empty_batch(is_decode, write=write, verify=verify)
+            if self.overlap:
+                fields["future_map"] = self.worker.future_token_ids_map
+            for capacity in capacity_ladder(self.max_verify):
+                canary = self._sized_canary(capacity)
+                static = dict(canary=canary, layout=self.layout, is_decode=is_decode)
+                with jax.set_mesh(self.runner.mesh):
+                    scratch, _ = _head(scratch, fields, oracle, **static)
+                    scratch, _ = _tail(scratch, fields, oracle, kv0, **static)
+        if self.tree_cache is not None and self.config.sweep_interval > 0:
+            plan = self.canary.sweep_plan(kc.SweepEntries.empty())
+            # after a TAIL (a launch's output) and after the first step's mark_init_finished (the state re-placed)
+            for state in (scratch, self._on_mesh(self.canary.init_state())):
+                with jax.set_mesh(self.runner.mesh):
+                    scratch, _ = _sweep(state, plan, kv0, canary=self.canary)
+        jax.block_until_ready(self.canary.mark_init_finished(scratch))
+        return sum(self.compiled_programs().values()) - before
+
+    def _empty_batch(self, is_decode: bool, *, write: bool, verify: bool) -> tuple[dict, dict]:
+        """An all-padding batch of :attr:`shapes` (host fields and token oracle), as :func:`host_fields` pads."""
+        t, r = self.shapes.tokens(is_decode), self.shapes.rows
+        fields = {"input_ids": np.zeros(t, np.int32), "positions": np.zeros(t, np.int32),
+                  "out_cache_loc": np.full(t, -1, np.int32), "req_pool_indices": np.full(r, -1, np.int32),
+                  "seq_lens": np.zeros(r, np.int32), "cache_loc": np.zeros(self.shapes.cache_loc, np.int32)}  # fmt: skip
+        if not is_decode:
+            fields["extend_prefix_lens"] = fields["extend_seq_lens"] = np.zeros(r, np.int32)
+        oracle = {}
+        if write:
+            oracle["expected_input_ids"] = np.zeros(t, np.int32)
+        if verify:
+            oracle["token_ids"] = np.zeros((self.max_bs, self.layout.table_width), np.int32)
+            oracle["token_ids_lens"] = np.zeros(r, np.int32)
+        return fields, oracle
 
     def _on_mesh(self, state):
         """The state replicated on the engine's mesh, typed as the jits return it (one compile per shape)."""

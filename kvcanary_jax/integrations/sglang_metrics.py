@@ -4,7 +4,10 @@ The scheduler process counts; sglang-jax's HTTP front end serves ``/metrics`` fr
 (``prometheus_client``'s multiprocess mode), which the engine sets before it starts the scheduler, so the counters
 below appear there with the engine's own.
 
-* ``kvcanary_violations_total{launch_tag, fail_reason}``: each violation the monitor read.
+Every counter is exported from startup, at 0 until something happens, so an alert tells "no violation" from "no canary":
+
+* ``kvcanary_violations_total``: every violation the monitor read (ring rows, repeats included).
+* ``kvcanary_violations_by_kind_total{launch_tag, fail_reason}``: the same, by launch and reason.
 * ``kvcanary_protected_tokens_total``: KV slots written or verified (all launch tags), read a few steps late.
 * ``kvcanary_checks_total``: canary launches (writes, verifies, sweeps), read a few steps late.
 """
@@ -18,7 +21,7 @@ import numpy as np
 _EVERY = 4  # steps between counter reads (each read is started async and taken at the next one)
 
 
-def _total(pairs: np.ndarray) -> int:
+def u64_total(pairs) -> int:
     """Sum of a ``u32[..., 2]`` (low, high) array of u64 counters."""
     pairs = np.asarray(pairs, np.uint64)
     return int(np.sum(pairs[..., 0] + (pairs[..., 1] << np.uint64(32))))
@@ -30,7 +33,8 @@ class CanaryMetrics:
     def __init__(self):
         from prometheus_client import Counter
 
-        self.violations = Counter("kvcanary_violations", "KV-cache canary violations read from the ring",
+        self.total = Counter("kvcanary_violations", "KV-cache canary violations read from the ring")
+        self.violations = Counter("kvcanary_violations_by_kind", "KV-cache canary violations by launch and reason",
                                   ["launch_tag", "fail_reason"])  # fmt: skip
         self.protected = Counter("kvcanary_protected_tokens", "KV slots the canary wrote or verified")
         self.checks = Counter("kvcanary_checks", "Canary launches (writes, verifies, sweeps)")
@@ -39,6 +43,7 @@ class CanaryMetrics:
         self._steps = 0
 
     def count_violations(self, observed: list) -> None:
+        self.total.inc(len(observed))
         for o in observed:
             v = o.violation
             self.violations.labels(launch_tag=v.tag_label, fail_reason="+".join(v.reason_labels)).inc()
@@ -59,7 +64,7 @@ class CanaryMetrics:
         """Adds the counters' growth as of the read in flight (blocks on it, if it is not home yet)."""
         if self._inflight is None:
             return
-        slot, kernel = (_total(x) for x in jax.device_get(self._inflight))
+        slot, kernel = (u64_total(x) for x in jax.device_get(self._inflight))
         self.protected.inc(max(0, slot - self._seen[0]))
         self.checks.inc(max(0, kernel - self._seen[1]))
         self._seen, self._inflight = (slot, kernel), None

@@ -15,6 +15,8 @@ signals this process, which stops the engine (in-flight requests see their conne
 from __future__ import annotations
 
 import argparse
+import atexit
+import contextlib
 import dataclasses
 import json
 import logging
@@ -22,9 +24,12 @@ import os
 import signal
 import sys
 import threading
+import time
+
+import numpy as np
 
 import kvcanary_jax as kc
-from kvcanary_jax.integrations import sglang_drills, sglang_jax
+from kvcanary_jax.integrations import sglang_drills, sglang_jax, sglang_metrics
 
 logger = logging.getLogger("kvcanary_jax.serve")
 ENV = "KVCANARY_SERVE"  # the settings, from this process to the scheduler's
@@ -152,7 +157,14 @@ def attach(scheduler, settings: ServeSettings) -> sglang_jax.SglangCanary | None
         from kvcanary_jax.integrations.sglang_metrics import CanaryMetrics
 
         metrics = CanaryMetrics()
-    guard.on_step_end = _Reporter(settings, metrics)
+    guard.monitor.log = _AtDebug(logging.getLogger("kvcanary_jax.monitor"), {})  # raw rows; the reporter names them
+    started = time.monotonic()
+    programs = guard.precompile()
+    logger.info("kvcanary precompiled %d programs in %.1f s (every batch and token bucket, plans %s)", programs,
+                time.monotonic() - started, "/".join(map(str, sglang_jax.capacity_ladder(guard.max_verify))))  # fmt: skip
+    reporter = _Reporter(settings, metrics, compiled=guard.compiled_programs())
+    guard.on_step_end = reporter
+    _Lifeline(guard, reporter).start(scheduler)
     drill = None
     if settings.inject:
         drill = sglang_drills.Drill(sglang_drills.DrillSpec.parse(settings.inject, settings.inject_seed), scheduler)
@@ -182,11 +194,22 @@ def attach(scheduler, settings: ServeSettings) -> sglang_jax.SglangCanary | None
     return guard
 
 
-class _Reporter:
-    """The guard's step end: one log line per violation (rid, slot, step), the counters; a raise-mode stop."""
+class _AtDebug(logging.LoggerAdapter):
+    """The monitor's own messages (SGLang's raw lines) at DEBUG: the reporter logs one line per incident."""
 
-    def __init__(self, settings: ServeSettings, metrics):
-        self.settings, self.metrics = settings, metrics
+    def warning(self, msg, *args, **kwargs):
+        self.debug(msg, *args, **kwargs)
+
+
+class _Reporter:
+    """The guard's step end: one ERROR line per slot and reason a request (its rid) or a cached prefix shows, every row
+    at DEBUG (a slot re-reported every step is counted, not logged again), the counters; a raise-mode stop; the
+    summary line at shutdown."""
+
+    def __init__(self, settings: ServeSettings, metrics, *, compiled: int):
+        self.settings, self.metrics, self.compiled = settings, metrics, compiled
+        self.named: set = set()  # (request or prefix, slot, reason) already logged
+        self.rows = self.repeats = 0
 
     def __call__(self, guard, observed: list) -> None:
         if self.metrics is not None:
@@ -194,11 +217,101 @@ class _Reporter:
             self.metrics.after_step(guard.state)
         for o in observed:
             v = o.violation
-            logger.error("kvcanary violation: rid=%s slot=%s step=%s launch=%s reason=%s position=%s",
-                         guard.rid_of(o), v.slot_idx, o.user_step, v.tag_label, "+".join(v.reason_labels),
-                         v.position)  # fmt: skip
+            self.rows += 1
+            who = guard.rid_of(o)
+            where = f"rid={who}" if who is not None else f"prefix={cached_prefix(guard, v)}"
+            logger.debug("kvcanary row: %s slot=%s step=%s launch=%s reason=%s position=%s", where, v.slot_idx,
+                         o.user_step, v.tag_label, "+".join(v.reason_labels), v.position)  # fmt: skip
+            key = (where, v.slot_idx, int(v.fail_reason))  # a slot re-reported every step is one line
+            if key in self.named:
+                self.repeats += 1
+                continue
+            self.named.add(key)
+            logger.error("kvcanary violation: %s slot=%s step=%s launch=%s reason=%s position=%s", where, v.slot_idx,
+                         o.user_step, v.tag_label, "+".join(v.reason_labels), v.position)  # fmt: skip
         if observed and self.settings.mode == "raise":
             _stop(self.settings.server_pid)
+
+    def summary(self, guard) -> str:
+        """One line: what the canary saw and did since startup."""
+        d = guard.state.device
+        protected, checks = (sglang_metrics.u64_total(x) for x in (d.slot_run_counters, d.kernel_run_counters))
+        compiles = {k: v - self.compiled[k] for k, v in guard.compiled_programs().items() if v > self.compiled[k]}
+        return (f"kvcanary summary: violations={self.rows} incidents={len(guard.monitor.incidents.incidents)} "
+                f"repeats_folded={self.repeats} protected_tokens={protected} checks={checks} steps={guard.steps} "
+                f"compiles_while_serving={compiles}")  # fmt: skip
+
+
+def cached_prefix(guard, v) -> str:
+    """The radix-cache prefix holding a swept slot, as ``<depth> tokens ...<last tokens>`` (or why it is unknown)."""
+    tree = guard.tree_cache
+    if tree is None:
+        return "none"
+    stack = [(tree.root_node, [])]
+    while stack:
+        node, path = stack.pop()
+        for child in node.children.values():
+            if child.value is None:
+                continue
+            slots = np.asarray(child.value).reshape(-1)
+            key = list(getattr(child.key, "token_ids", child.key) or [])
+            hit = np.nonzero(slots == v.slot_idx)[0]
+            if hit.size:
+                tokens = path + key[: int(hit[0]) + 1]
+                return f"{len(tokens)}tok:...{','.join(map(str, tokens[-4:]))}"
+            stack.append((child, path + key))
+    return "evicted"
+
+
+class _Lifeline:
+    """Reads what the lagged check has not, when nothing else will: within a second of the server going idle (from
+    the scheduler's own ``on_idle``, on its thread, when no forward is in flight), and at SIGINT / SIGTERM / exit,
+    followed by the summary line. Runs in the scheduler's process."""
+
+    IDLE_S = 0.5
+
+    def __init__(self, guard, reporter: _Reporter):
+        self.guard, self.reporter = guard, reporter
+        self._done = threading.Event()
+
+    def start(self, scheduler) -> None:
+        on_idle = scheduler.on_idle
+
+        def on_idle_with_canary():
+            on_idle()
+            if self.guard.unread_steps and self.guard.idle_s >= self.IDLE_S and not self._done.is_set():
+                self.guard.flush()
+
+        scheduler.on_idle = on_idle_with_canary
+        _LIFELINES.append(self)
+        atexit.register(self.shutdown)
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                signal.signal(sig, self._on_signal)
+
+    def _on_signal(self, signum, frame) -> None:
+        # Not here: the signal may have stopped this thread inside a forward. A thread waits for it, then exits.
+        threading.Thread(target=self._exit, args=(128 + signum,), daemon=True).start()
+
+    def _exit(self, code: int) -> None:
+        self.shutdown()
+        os._exit(code)
+
+    def shutdown(self) -> None:
+        """Reads every pending check and logs the summary line, once."""
+        if self._done.is_set():
+            return
+        self._done.set()
+        try:
+            self.guard.flush()
+        except Exception:
+            logger.exception("kvcanary final read failed")
+        logger.info(self.reporter.summary(self.guard))
+        for handler in logging.getLogger().handlers + logger.handlers:
+            handler.flush()
+
+
+_LIFELINES: list[_Lifeline] = []  # this process's guards (the server's own with --enable-single-process)
 
 
 def _stop(server_pid: int) -> None:
@@ -278,5 +391,25 @@ def main(argv: list[str]) -> int:
     try:
         http_server.launch(server_args)
     finally:
+        for lifeline in _LIFELINES:  # --enable-single-process: the guard lives here
+            lifeline.shutdown()
+        _stop_children()
         kill_process_tree(os.getpid(), include_parent=False)
     return 0
+
+
+def _stop_children(timeout_s: float = 30.0) -> None:
+    """Asks the engine's processes to stop (SIGTERM: the scheduler's canary reads its pending checks and logs its
+    summary first), and waits for them a while before they are killed."""
+    import psutil
+
+    def spawned(p) -> bool:  # the engine's own processes (the resource tracker ignores SIGTERM: it is killed after)
+        with contextlib.suppress(psutil.Error):
+            return "resource_tracker" not in " ".join(p.cmdline())
+        return False
+
+    children = [p for p in psutil.Process().children(recursive=True) if spawned(p)]
+    for child in children:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            child.send_signal(signal.SIGTERM)
+    psutil.wait_procs(children, timeout=timeout_s)
