@@ -108,7 +108,9 @@ def _check_command(command: str, where: str) -> None:
             named = re.search(r"\.\[([^\]]*)\]", part).group(1).split(",")
             assert set(named) <= set(extras), f"{where}: extras {named} not all in pyproject's {sorted(extras)}"
             continue
-        assert words[0] in {"python", "python3"}, f"{where}: a command kind tests/test_readme.py does not know: {part!r}"
+        assert words[0] in {"python", "python3"}, (
+            f"{where}: a command kind tests/test_readme.py does not know: {part!r}"
+        )
         args = [w for w in words[1:] if w != "-u"]
         if args[:2] == ["-m", "kvcanary_jax"]:
             sub = args[2]
@@ -148,7 +150,9 @@ def test_every_command_a_page_shows_exists(page):
 
 def test_the_serve_command_is_the_same_on_the_front_page_and_in_the_manual():
     def serve_block(page):
-        return [c for c in _commands(page) if c.startswith(("python -m kvcanary_jax serve", "python -m kvcanary_jax tiny"))]
+        return [
+            c for c in _commands(page) if c.startswith(("python -m kvcanary_jax serve", "python -m kvcanary_jax tiny"))
+        ]
 
     assert serve_block(README), "README's ## Serve sglang-jax shows no serve command"
     assert serve_block("docs/serve.md") == serve_block(README), "docs/serve.md and README show different serve commands"
@@ -231,7 +235,9 @@ def test_the_readme_wrap_excerpt_is_the_manuals_runnable_snippet():
     full = iter(_python_block(*WRAP).splitlines())
     for line in excerpt:
         if line.strip() and not line.lstrip().startswith("#"):
-            assert any(line == other for other in full), f"README's wrap line is not in docs/wrap.md's, in order: {line}"
+            assert any(line == other for other in full), (
+                f"README's wrap line is not in docs/wrap.md's, in order: {line}"
+            )
 
 
 def test_the_wrap_snippet_catches_a_corrupted_slot():
