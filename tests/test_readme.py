@@ -6,9 +6,15 @@ its pages); the benchmark figures are benchmarks/README.md. Every ```bash block 
 
 import contextlib
 import io
+import os
 import pathlib
 import re
 import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
 import tomllib
 
 import pytest
@@ -288,3 +294,42 @@ def test_the_sglang_jax_snippet_runs_on_the_engine_and_is_clean():
     guard = namespace["guard"]
     assert guard.steps >= 50 and guard.monitor.observed == []
     assert guard.final_check().write_index == 0
+
+
+def test_the_readme_serve_block_runs_as_written_then_ctrl_c_prints_the_summary(tmp_path):
+    """README's serve block, command by command, as a user types it on a small CPU machine: the tiny model, the
+    server (its own process group, as in a terminal), the two curl commands; then a Ctrl-C. Only the port (and
+    ``/tmp/tiny``) are replaced, so that runs beside this one do not collide."""
+    pytest.importorskip("sgl_jax", reason="the sglang-jax extra is not installed")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port, model = str(s.getsockname()[1]), str(tmp_path / "tiny")
+    lines = [c.replace("30000", port).replace("/tmp/tiny", model) for c in _commands(README)
+             if c.startswith(("python -m kvcanary_jax tiny-model", "python -m kvcanary_jax serve", "curl"))]  # fmt: skip
+    (tiny, serve), curls = lines[:2], lines[2:]
+    assert "serve sglang-jax" in serve and len(curls) == 2, lines
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    python = lambda c: c.replace("python ", f"{sys.executable} ", 1)  # noqa: E731  (the test's interpreter)
+    subprocess.run(python(tiny), shell=True, check=True, env=env, cwd=tmp_path)
+    log = open(tmp_path / "server.log", "w")
+    server = subprocess.Popen(python(serve), shell=True, env=env, cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT,
+                              start_new_session=True)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 600
+        while subprocess.run(f"curl -sf localhost:{port}/health", shell=True).returncode != 0:
+            assert server.poll() is None and time.monotonic() < deadline, (tmp_path / "server.log").read_text()[-3000:]
+            time.sleep(2)
+        answer = subprocess.run(curls[0], shell=True, capture_output=True, text=True, check=True).stdout
+        assert '"choices"' in answer and '"finish_reason"' in answer, answer
+        metrics = subprocess.run(curls[1], shell=True, capture_output=True, text=True, check=True).stdout
+        assert re.search(r"^kvcanary_violations_total 0\.0$", metrics, flags=re.M), metrics
+        assert re.search(r"^kvcanary_protected_tokens_total [1-9]", metrics, flags=re.M), metrics
+    finally:
+        os.killpg(server.pid, signal.SIGINT)  # Ctrl-C
+        try:
+            server.wait(120)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)
+        log.close()
+    text = (tmp_path / "server.log").read_text()
+    assert re.search(r"kvcanary summary: violations=0 incidents=0 .* compiles_while_serving=0", text), text[-3000:]

@@ -1,7 +1,8 @@
 """Live fault drills in a served sglang-jax engine (``--canary-inject KIND[:PROB]``), off by default.
 
 Each scheduler step fires the drill with probability ``PROB`` (seeded), into the engine's own state, with the
-``kvcanary_jax.testing`` injectors; each drill that fires is logged as ``kvcanary drill injected``:
+``kvcanary_jax.testing`` injectors; each drill that fires is logged as ``kvcanary drill injected``, with the step of
+the forward it corrupts (the step a violation line names):
 
 * ``live_kv``: a byte of the slot a decoding request wrote at its previous step (its own slot).
 * ``req_to_token``: one step's host page-table entry of a decoding request pointed at another request's slot.
@@ -92,7 +93,8 @@ class Drill:
         source = sources[int(self.rng.integers(len(sources)))]
         old, new = int(table[req.req_pool_idx, position]), int(table[other.req_pool_idx, source])
         table[:] = np.asarray(testing.remap_slot(table, req.req_pool_idx, position, new))
-        self._injected("req_to_token", rid=req.rid, position=position, slot=new, was=old)
+        self._injected("req_to_token", rid=req.rid, position=position, slot=new, was=old,
+                       step=self.scheduler.kvcanary.enqueued)  # fmt: skip
 
         def undo():
             table[req.req_pool_idx, position] = old
@@ -111,14 +113,14 @@ class Drill:
             idle = sglang_jax.radix_entries(guard.tree_cache, include=lambda node: node.lock_ref == 0)
             if sweeps and len(idle.slots):
                 slot = int(idle.slots[int(self.rng.integers(len(idle.slots)))])
-                self._injected("idle_cache_kv", rid=None, slot=slot)
+                self._injected("idle_cache_kv", rid=None, slot=slot, step=guard.enqueued - 1)
                 self._on_forward_thread(guard, pending.before_sweep, lambda g: _flip(g, slot))
             return
         rows = self._decoding(batch)
         if kind == "live_kv" and rows:
             _, req, seq = rows[int(self.rng.integers(len(rows)))]
             slot = int(self.scheduler.req_to_token_pool.req_to_token[req.req_pool_idx, seq - 2])
-            self._injected("live_kv", rid=req.rid, position=seq - 2, slot=slot)
+            self._injected("live_kv", rid=req.rid, position=seq - 2, slot=slot, step=guard.enqueued - 1)
             self._on_forward_thread(guard, pending.before_forward, lambda g: _flip(g, slot))
         elif kind == "token_swap" and batch.forward_mode.is_decode() and len(rows) >= 2:
             ids = np.asarray(model_worker_batch.input_ids)
@@ -127,7 +129,7 @@ class Drill:
                 i, j = pairs[int(self.rng.integers(len(pairs)))]
                 model_worker_batch.input_ids = np.asarray(testing.swap_tokens(ids, i, j)).astype(ids.dtype)
                 reqs = batch.reqs_info[0].reqs
-                self._injected("token_swap", rid=reqs[i].rid, other=reqs[j].rid)
+                self._injected("token_swap", rid=reqs[i].rid, other=reqs[j].rid, step=guard.enqueued - 1)
 
     @staticmethod
     def _on_forward_thread(guard, actions: list, action) -> None:

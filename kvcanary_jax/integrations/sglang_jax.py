@@ -408,6 +408,8 @@ class SglangCanary:
       monitor: the :class:`kvcanary_jax.CanaryMonitor` reading it.
       layout: the engine's :class:`Layout`.
       steps: forwards run so far (the step number reports use).
+      enqueued: batches handed to the worker so far (under the overlap scheduler, ahead of ``steps``): the step
+        number the next batch's forward will have.
       overlap: the worker is the overlap scheduler's ``ModelWorkerClient`` (the step's end runs on its thread).
       on_enqueue: ``f(guard, model_worker_batch, pending)`` on the scheduler's thread as each batch goes to the worker.
       on_step_end: ``f(guard, new_observed)`` after each monitor check, before a violation is raised.
@@ -430,7 +432,7 @@ class SglangCanary:
         self.steps = 0
         self.on_enqueue: Callable | None = None
         self.on_step_end: Callable | None = None
-        self._enqueued = 0
+        self.enqueued = 0
         self._reported = 0  # monitor.observed rows handed to on_step_end
         self._reqs = None
         self._pending: dict = {}  # bid -> Pending, from the scheduler's thread to the forward's
@@ -550,9 +552,9 @@ class SglangCanary:
         pending = Pending(rids=self._rids(reqs), oracle=oracle, fields={}, is_decode=is_decode,
                           verify_capacity=self._verify_capacity(model_worker_batch))  # fmt: skip
         interval = self.config.sweep_interval
-        if self.overlap and self.tree_cache is not None and interval > 0 and self._enqueued % interval == 0:
+        if self.overlap and self.tree_cache is not None and interval > 0 and self.enqueued % interval == 0:
             pending.sweep = radix_entries(self.tree_cache)  # the tree as the scheduler's thread holds it now
-        self._enqueued += 1
+        self.enqueued += 1
         if self.on_enqueue is not None:
             self.on_enqueue(self, model_worker_batch, pending)  # a drill may change the batch: copy it after
         pending.fields = self._host_fields(model_worker_batch, is_decode=is_decode)

@@ -236,7 +236,8 @@ class _Reporter:
         """One line: what the canary saw and did since startup."""
         d = guard.state.device
         protected, checks = (sglang_metrics.u64_total(x) for x in (d.slot_run_counters, d.kernel_run_counters))
-        compiles = {k: v - self.compiled[k] for k, v in guard.compiled_programs().items() if v > self.compiled[k]}
+        grown = {k: v - self.compiled[k] for k, v in guard.compiled_programs().items() if v > self.compiled[k]}
+        compiles = f"{sum(grown.values())}" + (f" ({', '.join(map(str, grown.items()))})" if grown else "")
         return (f"kvcanary summary: violations={self.rows} incidents={len(guard.monitor.incidents.incidents)} "
                 f"repeats_folded={self.repeats} protected_tokens={protected} checks={checks} steps={guard.steps} "
                 f"compiles_while_serving={compiles}")  # fmt: skip
