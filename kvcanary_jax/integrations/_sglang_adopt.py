@@ -22,11 +22,11 @@ import jax
 import numpy as np
 
 import kvcanary_jax as kc
-from kvcanary_jax.integrations import sglang_jax
+from kvcanary_jax.integrations import _sglang_mapping as mapping
 
 
 def _children(node) -> list:
-    """A node's resident children, as :func:`sglang_jax.radix_entries` walks them."""
+    """A node's resident children, as :func:`~kvcanary_jax.integrations.sglang_jax.radix_entries` walks them."""
     return [c for c in node.children.values() if c.value is not None]
 
 
@@ -34,7 +34,7 @@ def radix_adopt_entries(tree_cache) -> kc.AdoptEntries:
     """Every slot the ``RadixCache`` holds, with its token: two walks of the same nodes in the same order."""
     tokens = lambda node: np.asarray(list(node.key), np.int32)  # noqa: E731
     keys = kc.walk_prefix_tree(tree_cache.root_node, children=_children, slots=tokens)
-    return kc.AdoptEntries.from_sweep(sglang_jax.radix_entries(tree_cache), keys.slots)
+    return kc.AdoptEntries.from_sweep(mapping.radix_entries(tree_cache), keys.slots)
 
 
 def request_adopt_entries(req, req_to_token_pool) -> kc.AdoptEntries:
@@ -59,7 +59,7 @@ def adopt_entries(reqs, req_to_token_pool, tree_cache=None) -> kc.AdoptEntries:
 
 @functools.partial(jax.jit, static_argnames=("canary",), donate_argnums=(0,))
 def _adopt(state, plan, kv0, *, canary):
-    k, v = sglang_jax.kv_sources(kv0)
+    k, v = mapping.kv_sources(kv0)
     return canary.adopt(state, plan, canary.kv_sources(full_k=k, full_v=v))
 
 
@@ -75,7 +75,7 @@ def adopt(guard, reqs, req_to_token_pool) -> int:
       ValueError: an entry the engine's tables give that cannot be adopted, named (see ``KvCanary.adopt_plan``).
     """
     entries = adopt_entries(reqs, req_to_token_pool, guard.tree_cache)
-    capacity = sglang_jax.sized_capacity(len(entries.slots), guard.canary.pool.num_slots)
+    capacity = mapping.sized_capacity(len(entries.slots), guard.canary.pool.num_slots)
     plan = guard.canary.adopt_plan(entries, capacity=capacity)
     runner = guard.runner
     with jax.set_mesh(runner.mesh):

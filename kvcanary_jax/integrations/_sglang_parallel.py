@@ -32,7 +32,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import kvcanary_jax as kc
-from kvcanary_jax.integrations import sglang_jax
+from kvcanary_jax.integrations import _sglang_guard
+from kvcanary_jax.integrations import _sglang_mapping as mapping
 
 _DATA, _TENSOR = "data", "tensor"  # sglang-jax's mesh axes
 _KV_SPEC = P(_DATA, None, _TENSOR, None, None)  # its fused KV layers
@@ -49,7 +50,7 @@ def rank_entries(tree_cache, rank: int, *, include=None) -> kc.SweepEntries:
     A node's key names its rank (``None`` when the engine runs one rank, read as rank 0).
     """
     keep = lambda node: (node.key.dp_rank or 0) == rank and (include is None or include(node))  # noqa: E731
-    return sglang_jax.radix_entries(tree_cache, include=keep)
+    return mapping.radix_entries(tree_cache, include=keep)
 
 
 def _spread(tree):
@@ -60,7 +61,7 @@ def _spread(tree):
 @functools.partial(jax.jit, static_argnames=("sharded", "layout", "is_decode"), donate_argnums=(0,))
 def _head(state, fields, oracle, *, sharded, layout, is_decode):
     def head(state, fields, oracle):
-        return sharded.before_forward(state, sglang_jax.canary_batch(fields, layout, is_decode=is_decode,
+        return sharded.before_forward(state, mapping.canary_batch(fields, layout, is_decode=is_decode,
                                                                       oracle=oracle))  # fmt: skip
 
     fn = sharded.shard_map(head, in_specs=(sharded.state_spec, P(_DATA), P(_DATA)), out_specs=sharded.state_spec)
@@ -70,8 +71,8 @@ def _head(state, fields, oracle, *, sharded, layout, is_decode):
 @functools.partial(jax.jit, static_argnames=("sharded", "layout", "is_decode"), donate_argnums=(0,))
 def _tail(state, fields, oracle, kv0, *, sharded, layout, is_decode):
     def tail(state, fields, oracle, kv0):
-        k, v = sglang_jax.kv_sources(kv0)  # this device's KV heads of its rank's pages
-        batch = sglang_jax.canary_batch(fields, layout, is_decode=is_decode, oracle=oracle)
+        k, v = mapping.kv_sources(kv0)  # this device's KV heads of its rank's pages
+        batch = mapping.canary_batch(fields, layout, is_decode=is_decode, oracle=oracle)
         return sharded.after_forward(state, batch, sharded.canary.kv_sources(full_k=k, full_v=v))
 
     specs = (sharded.state_spec, P(_DATA), P(_DATA), _KV_SPEC)
@@ -82,7 +83,7 @@ def _tail(state, fields, oracle, kv0, *, sharded, layout, is_decode):
 @functools.partial(jax.jit, static_argnames=("sharded",), donate_argnums=(0,))
 def _sweep(state, plan, kv0, *, sharded):
     def sweep(state, plan, kv0):
-        k, v = sglang_jax.kv_sources(kv0)
+        k, v = mapping.kv_sources(kv0)
         return sharded.sweep(state, kc.local(plan, P(_DATA)), sharded.canary.kv_sources(full_k=k, full_v=v))
 
     specs = (sharded.state_spec, P(_DATA), _KV_SPEC)
@@ -92,7 +93,7 @@ def _sweep(state, plan, kv0, *, sharded):
 _LAUNCHES = {"head": _head, "tail": _tail, "sweep": _sweep}
 
 
-class ParallelSglangCanary(sglang_jax.SglangCanary):
+class ParallelSglangCanary(_sglang_guard.SglangCanary):
     """:class:`~kvcanary_jax.integrations.sglang_jax.SglangCanary` on a parallel engine; made by ``wrap``.
 
     Attributes (besides the base class's):
@@ -131,7 +132,7 @@ class ParallelSglangCanary(sglang_jax.SglangCanary):
 
     def _token_oracle(self, reqs, model_worker_batch, *, write: bool, verify: bool) -> dict:
         """Each DP rank's oracle (the single-device one over its sections), concatenated rank by rank."""
-        parts = [sglang_jax.token_oracle(rank_reqs, _section(model_worker_batch, r, self.dp), self.layout,
+        parts = [mapping.token_oracle(rank_reqs, _section(model_worker_batch, r, self.dp), self.layout,
                                          max_bs=self.max_bs, write=write, verify=verify)
                  for r, rank_reqs in enumerate(reqs)]  # fmt: skip
         return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
@@ -141,7 +142,7 @@ class ParallelSglangCanary(sglang_jax.SglangCanary):
         return {"cache_loc": np.array(model_worker_batch.cache_loc, np.int32)}
 
     def _launch_fields(self, pending, forward_batch) -> dict:
-        return {**sglang_jax.batch_fields(forward_batch), "cache_loc": pending.fields["cache_loc"]}
+        return {**mapping.batch_fields(forward_batch), "cache_loc": pending.fields["cache_loc"]}
 
     def precompile(self) -> int:
         raise NotImplementedError("the parallel guard compiles its programs at the first forward of each shape")
@@ -149,7 +150,7 @@ class ParallelSglangCanary(sglang_jax.SglangCanary):
     def _verify_capacity(self, model_worker_batch) -> int:
         """The busiest DP rank's (every rank runs plans of one size)."""
         sections = (_section(model_worker_batch, r, self.dp) for r in range(self.dp))
-        return sglang_jax.sized_capacity(max(map(sglang_jax.verify_need, sections)), self.max_verify)
+        return mapping.sized_capacity(max(map(mapping.verify_need, sections)), self.max_verify)
 
     def _mark_init_finished(self) -> None:
         self.state = self._typed(self.sharded.mark_init_finished(self.state))
@@ -198,7 +199,7 @@ def _section(mwb, rank: int, dp: int) -> types.SimpleNamespace:
 def refuse(worker, live_requests) -> None:
     """Refuses, by name, what the parallel mapping does not cover."""
     problems = []
-    if sglang_jax._is_overlap_client(worker):
+    if mapping.is_overlap_client(worker):
         problems.append("the overlap scheduler (run it with disable_overlap_schedule=True)")
     if live_requests is not None:
         problems.append("adopting a warm engine (live_requests; wrap it before it serves)")

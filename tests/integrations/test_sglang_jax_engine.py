@@ -21,11 +21,11 @@ else:
 
 import kvcanary_jax as kc  # noqa: E402
 from kvcanary_jax.demo import sglang_engine, sglang_faults  # noqa: E402
-from kvcanary_jax.integrations import sglang_jax  # noqa: E402
+from kvcanary_jax.integrations import _sglang_launches, sglang_jax  # noqa: E402
 from kvcanary_jax.runtime import _monitor  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # the engine's own (flax .value access)
-_JITS = {"head": sglang_jax._head, "tail": sglang_jax._tail, "sweep": sglang_jax._sweep}
+_JITS = dict(_sglang_launches._LAUNCHES)
 
 
 @pytest.fixture(scope="module")
@@ -69,8 +69,8 @@ def test_a_step_is_two_launches_the_monitor_launches_none(worker, monkeypatch):
     third launch per step, the monitor's own snapshot (it still takes one in final_check: the hook sees it)."""
     launches = [[]]  # per monitor step (a new list at each after_step), the canary's launches by name
     counted = lambda name, fn: lambda *a, **k: launches[-1].append(name) or fn(*a, **k)  # noqa: E731
-    for name, fn in sglang_jax._LAUNCHES.items():
-        monkeypatch.setitem(sglang_jax._LAUNCHES, name, counted(name, fn))
+    for name, fn in _sglang_launches._LAUNCHES.items():
+        monkeypatch.setitem(_sglang_launches._LAUNCHES, name, counted(name, fn))
     monkeypatch.setattr(_monitor, "_snapshot", counted("monitor snapshot", _monitor._snapshot))
     after_step = kc.CanaryMonitor.after_step
     monkeypatch.setattr(kc.CanaryMonitor, "after_step", lambda *a, **k: after_step(*a, **k) or launches.append([]))

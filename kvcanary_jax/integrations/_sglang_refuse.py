@@ -1,0 +1,71 @@
+"""What the sglang-jax guard refuses at wrap time, by name: a warm engine, set-ups the mapping does not cover."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+
+import kvcanary_jax as kc
+from kvcanary_jax.integrations._sglang_guard import SglangCanary
+from kvcanary_jax.integrations._sglang_mapping import is_overlap_client
+
+
+def refuse_warm_engine(worker, tree_cache=None) -> None:
+    """Refuses an engine that already holds requests or cached prefixes: their slots have no records.
+
+    Wrapping it would report every such slot as corrupt at its first read (``verify_chain_hash``); ``wrap(...,
+    live_requests=...)`` adopts them instead (writes their records once from the engine's tables).
+
+    Raises:
+      ValueError: naming what the engine holds.
+    """
+    req_pool, allocator = worker.get_memory_pool()
+    held = []
+    live = req_pool.size - req_pool.available_size()
+    if live:
+        held.append(f"{live} live request(s) in its req_to_token pool")
+    cached = int(tree_cache.total_size()) if tree_cache is not None else 0
+    if cached:
+        held.append(f"{cached} token(s) in its radix cache")
+    free = sum(allocator.available_size(r) for r in range(int(getattr(allocator, "dp_size", 1))))  # each DP rank's
+    used = allocator.size - free - cached
+    if used > 0 and not live:
+        held.append(f"{used} allocated KV slot(s)")
+    if held:
+        raise ValueError(
+            "kvcanary cannot wrap a warm engine: it holds " + ", ".join(held) + " written before the canary, which "
+            "would all be reported as corrupt; adopt them with wrap(..., live_requests=scheduler_requests(scheduler)) "
+            "between steps, wrap it before it serves, or flush its cache first"
+        )
+
+
+def check_engine(worker, config) -> None:
+    """Refuses, by name, what the mapping does not cover."""
+    if not isinstance(config, kc.CanaryConfig):
+        raise TypeError(f"config must be a kvcanary_jax.CanaryConfig; got {type(config).__name__}")
+    runner = getattr(worker, "model_runner", None)
+    if runner is None or not callable(getattr(worker, "forward_batch_generation", None)):
+        raise TypeError(
+            "worker must be an sgl_jax ModelWorker or ModelWorkerClient (it has model_runner and "
+            f"forward_batch_generation); got {type(worker).__name__}"
+        )
+    if isinstance(getattr(runner.forward, "__self__", None), SglangCanary):
+        raise ValueError("this worker is wrapped already; call unwrap() on its guard first")
+    model_worker = worker.worker if is_overlap_client(worker) else worker
+    args = model_worker.server_args
+    problems = []
+    algorithm = getattr(args, "speculative_algorithm", None)
+    if algorithm not in (None, "", "NONE", "none"):
+        problems.append(f"speculative decoding (speculative_algorithm={algorithm!r})")
+    if getattr(model_worker, "_pd_fuse_sample", False):
+        problems.append("the fused Pathways forward-and-sample path (it bypasses ModelRunner.forward)")
+    pool = type(runner.token_to_kv_pool).__name__
+    if pool != "MHATokenToKVPool":
+        problems.append(f"the KV pool {pool} (only MHATokenToKVPool's fused K/V layers are mapped; not SWA, MLA or "
+                        "hybrid pools)")  # fmt: skip
+    if problems:
+        raise NotImplementedError("kvcanary's sglang-jax wrapper does not map " + "; ".join(problems))
+    kv0 = runner.token_to_kv_pool.kv_buffer[0]
+    if kv0.ndim != 5 or kv0.shape[1] != runner.page_size or math.prod(kv0.shape[2:4]) % 2:
+        raise NotImplementedError(f"unexpected KV layer layout {jax.typeof(kv0)} for page_size={runner.page_size}")
