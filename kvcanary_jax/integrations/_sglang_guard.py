@@ -23,13 +23,13 @@ from kvcanary_jax.integrations._sglang_mapping import (
     Shapes,
     capacity_ladder,
     host_fields,
-    is_overlap_client,
     padded_oracle,
     radix_entries,
     sized_capacity,
     token_oracle,
     verify_need,
 )
+from kvcanary_jax.integrations._sglang_steps import steps_for
 
 logger = logging.getLogger("kvcanary_jax.sglang_jax")
 _MAPPED_MODES = ("EXTEND", "MIXED", "DECODE")
@@ -75,9 +75,10 @@ class SglangCanary:
     """
 
     def __init__(self, worker, config: kc.CanaryConfig, *, tree_cache=None, table_width: int | None = None):
-        self.overlap = is_overlap_client(worker)
+        self._steps = steps_for(worker)  # where a step begins and ends: the plain worker's or the overlap client's
+        self.overlap = self._steps.overlap
         self.worker, self.runner, self.config, self.tree_cache = worker, worker.model_runner, config, tree_cache
-        self.model_worker = worker.worker if self.overlap else worker
+        self.model_worker = self._steps.model_worker
         kv0 = self.runner.token_to_kv_pool.kv_buffer[0]
         page_size = int(kv0.shape[1])
         width = int(table_width or self.runner.model_config.context_len)
@@ -94,7 +95,6 @@ class SglangCanary:
         self.enqueued = 0
         self._reported = 0  # monitor.observed rows handed to on_step_end
         self._reqs = None
-        self._pending: dict = {}  # bid -> Pending, from the scheduler's thread to the forward's
         self._current: Pending | None = None
         self._current_bid = None
         self._snapshot = (None, None)  # (a state, the monitor's snapshot of it) from the latest launch
@@ -104,9 +104,7 @@ class SglangCanary:
         self._forward_batch_generation = self.model_worker.forward_batch_generation
         self.runner.forward = self.forward
         self.model_worker.forward_batch_generation = self._generate
-        if self.overlap:
-            self._client_generate = worker.forward_batch_generation
-            worker.forward_batch_generation = self._enqueue
+        self._steps.install(self)
 
     def _build(self, kv0: jax.Array, *, max_verify: int) -> None:
         """The canary (its pool: every slot of the engine's KV pool), its monitor and its state."""
@@ -141,12 +139,7 @@ class SglangCanary:
         Raises:
           KvCanaryViolationError: in raise mode, when a step ``check_lag_steps`` ago recorded violations.
         """
-        if self.overlap:
-            raise RuntimeError("under the overlap scheduler the worker's thread ends each step itself; do not call "
-                               "after_step()")  # fmt: skip
-        if self.tree_cache is not None and self.monitor.sweep_due:
-            self.sweep()
-        self._check()
+        self._steps.after_step(self)
 
     def sweep(self, entries: kc.SweepEntries | None = None) -> None:
         """Verifies every slot the radix cache holds now, or ``entries`` (the step's end runs it when due)."""
@@ -177,8 +170,7 @@ class SglangCanary:
         """Gives the worker and its runner their own methods back."""
         self.runner.forward = self._forward
         self.model_worker.forward_batch_generation = self._forward_batch_generation
-        if self.overlap:
-            self.worker.forward_batch_generation = self._client_generate
+        self._steps.uninstall(self)
 
     def __enter__(self) -> SglangCanary:
         return self
@@ -208,26 +200,16 @@ class SglangCanary:
         is_decode = model_worker_batch.forward_mode.is_decode()
         pending = Pending(rids=self._rids(reqs), oracle=oracle, fields={}, is_decode=is_decode,
                           verify_capacity=self._verify_capacity(model_worker_batch))  # fmt: skip
-        interval = self.config.sweep_interval
-        if self.overlap and self.tree_cache is not None and interval > 0 and self.enqueued % interval == 0:
-            pending.sweep = radix_entries(self.tree_cache)  # the tree as the scheduler's thread holds it now
+        pending.sweep = self._steps.sweep_entries(self)
         self.enqueued += 1
         if self.on_enqueue is not None:
             self.on_enqueue(self, model_worker_batch, pending)  # a drill may change the batch: copy it after
         pending.fields = self._host_fields(model_worker_batch, is_decode=is_decode)
         return pending
 
-    def _enqueue(self, model_worker_batch, *args, **kwargs):
-        """``ModelWorkerClient.forward_batch_generation`` (the scheduler's thread): hands the forward its Pending."""
-        self._pending[model_worker_batch.bid] = self._take(model_worker_batch)
-        return self._client_generate(model_worker_batch, *args, **kwargs)
-
     def _generate(self, model_worker_batch, *args, **kwargs):
         """``ModelWorker.forward_batch_generation`` (the forward's thread), with the batch's Pending."""
-        if self.overlap:
-            self._current = self._pending.pop(model_worker_batch.bid)
-        else:
-            self._current = self._take(model_worker_batch)
+        self._current = self._steps.pending_for(self, model_worker_batch)
         self._current_bid = model_worker_batch.bid
         try:
             return self._forward_batch_generation(model_worker_batch, *args, **kwargs)
@@ -272,12 +254,7 @@ class SglangCanary:
         while len(self._requests) > _KEEP_REQUESTS:
             self._requests.popitem(last=False)
         self.steps += 1
-        if self.overlap:  # the step's end, on this thread: the state is never touched from two threads
-            if pending.sweep is not None:
-                for action in pending.before_sweep:
-                    action(self)
-                self.sweep(pending.sweep)
-            self._check()
+        self._steps.end_forward(self, pending)
         return out
 
     def _check(self) -> None:
@@ -363,9 +340,7 @@ class SglangCanary:
     def _launch_fields(self, pending: Pending, forward_batch) -> dict:
         """The arrays HEAD and TAIL map: the copied host fields, and under the overlap scheduler the future-token
         map this batch's placeholders resolve with (read on the forward's thread)."""
-        if self.overlap:
-            return {**pending.fields, "future_map": self.worker.future_token_ids_map}
-        return pending.fields
+        return {**pending.fields, **self._steps.launch_extras()}
 
     def compiled_programs(self) -> dict[str, int]:
         """How many programs each of the guard's launches holds compiled (to show that serving compiles none)."""
@@ -381,8 +356,7 @@ class SglangCanary:
         write, verify = self.config.enable_write_input_assert, self.config.enable_verify_token_assert
         for is_decode in (True, False):
             fields, oracle = self._empty_batch(is_decode, write=write, verify=verify)
-            if self.overlap:
-                fields["future_map"] = self.worker.future_token_ids_map
+            fields.update(self._steps.launch_extras())
             for capacity in capacity_ladder(self.max_verify):
                 canary = self._sized_canary(capacity)
                 static = dict(canary=canary, layout=self.layout, is_decode=is_decode)
