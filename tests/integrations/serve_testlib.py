@@ -20,11 +20,11 @@ import openai
 
 START_S, RUN_S = 600, 900
 PREFIXES = ("The quick brown fox jumps over the lazy dog.", "A KV cache holds the keys and values of every token")
-# What a user of a small CPU machine passes (README): a small KV pool, the engine's default buckets less its one-row
-# batch, whose decode sglang-jax fails to compile on CPU (ShardingTypeError, canary or not), and no engine precompile
-# (it compiles that batch). The canary precompiles its own programs.
+# What a user of a small CPU machine passes (README.md's serve command, page size 1 as there): a small KV pool, the
+# engine's default buckets less its one-row batch, whose decode sglang-jax fails to compile on CPU (ShardingTypeError,
+# canary or not), and no engine precompile (it compiles that batch). The canary precompiles its own programs.
 CPU_WORKAROUND = ("--disable-precompile", "--precompile-bs-paddings", "2", "4", "8", "16")
-ENGINE = ("--page-size", "4", "--max-running-requests", "16", "--max-total-tokens", "4096", *CPU_WORKAROUND,
+ENGINE = ("--page-size", "1", "--max-running-requests", "16", "--max-total-tokens", "4096", *CPU_WORKAROUND,
           "--enable-metrics", "--random-seed", "0", "--skip-server-warmup")  # fmt: skip
 SUMMARY = re.compile(r"kvcanary summary: violations=(\d+) incidents=(\d+) .* compiles_while_serving=(\d+)")
 
