@@ -290,7 +290,7 @@ def test_the_monitor_refuses_an_older_state_and_a_donated_one_by_name():
     new = step(canary.init_state(), batch)
     launches = lambda state: int(np.asarray(state.device.kernel_run_counters).view(np.int64).sum())  # noqa: E731
     assert launches(new) > launches(old) == 0
-    for check in ("after_step", "final_check"):
+    for check in ("after_step", "final_check", "flush"):
         monitor = kc.CanaryMonitor(dataclasses.replace(canary, config=dataclasses.replace(canary.config,
                                                                                           check_lag_steps=0)))
         monitor.after_step(new)
@@ -300,8 +300,9 @@ def test_the_monitor_refuses_an_older_state_and_a_donated_one_by_name():
     donated = canary.init_state()
     step(donated, batch)
     gone = r"state was donated to an earlier step and its buffers are gone: use the state that step returned"
-    with pytest.raises(ValueError, match=gone):
-        kc.CanaryMonitor(canary).after_step(donated)
+    for call in ("after_step", "flush", "rearm"):
+        with pytest.raises(ValueError, match=gone):
+            getattr(kc.CanaryMonitor(canary), call)(donated)
     with pytest.raises(ValueError, match=gone):
         canary.before_forward(donated, batch)
 
@@ -529,10 +530,9 @@ def test_monitor_names_what_it_is_given(caplog):
         (kc.KvCanary(kc.CanaryConfig(ring_capacity=8), canary.pool).init_state(), ValueError,
          r"state's ring holds 8 rows but config.ring_capacity=64"),
     ]:  # fmt: skip
-        with pytest.raises(error, match=pattern):
-            monitor.after_step(bad)
-        with pytest.raises(error, match=pattern):
-            monitor.final_check(bad)
+        for call in (monitor.after_step, monitor.final_check, monitor.flush, monitor.rearm):
+            with pytest.raises(error, match=pattern):
+                call(bad)
     for step in ("3", 3.0, jnp.int32(3)):
         with pytest.raises(TypeError, match=re.escape(f"step must be an int; got step={step!r}")):
             monitor.after_step(state, step=step)
