@@ -201,7 +201,43 @@ def as_sources(name: str, value, page_size: int, num_slots: int) -> tuple[RealKv
             out.append(RealKvSource(check_paged_kv(arg, item, page_size, num_slots), page_size=page_size))
         else:
             raise TypeError(f"{arg} must be a KV array or a RealKvSource; got {type(item).__name__}")
-    return realkv.validate_sources(tuple(out), num_slots=num_slots, arg=name)
+    sources = realkv.validate_sources(tuple(out), num_slots=num_slots, arg=name)  # too few slots: named there
+    for i, source in enumerate(sources):
+        check_covers_pool(name if len(sources) == 1 and not isinstance(value, (list, tuple)) else f"{name}[{i}]",
+                          source, num_slots)  # fmt: skip
+    return sources
+
+
+def check_covers_pool(arg: str, source: RealKvSource, num_slots: int) -> None:
+    """A source's pages hold exactly the group's slots: with more, a slot would read another slot's KV bytes.
+
+    The usual cause is a flat per-slot array ``[num_slots, heads, dim]`` whose head count equals the pool's page
+    size: it passes for ``num_slots`` pages of ``page_size`` slots each, and slot ``s`` is then read at page ``s //
+    page_size`` (slot 5 folds slot 10's bytes with a page of 2).
+
+    Raises:
+      ValueError: naming the source, its pages x page_size and the group's num_slots, with the reshape that fits.
+    """
+    pages, page_size = int(source.data.shape[0]), source.page_size
+    if pages * page_size == num_slots:
+        return
+    shape = tuple(source.data.shape)
+    hint = ""
+    if pages == num_slots and page_size > 1:
+        rest = ", ".join(str(d) for d in shape[1:])
+        hint = (
+            f" Its leading axis holds the {num_slots} slots: it looks like a flat per-slot array [slots, heads, dim],"
+            f" not [pages, page_size, ...]. View it paged as the pool is: "
+            f"kv.reshape({num_slots // page_size}, {page_size}, {rest})"
+            if num_slots % page_size == 0
+            else f" Its leading axis holds the {num_slots} slots: a flat per-slot array [slots, heads, dim]; view it "
+            f"as [slots, 1, heads * dim] (kv.reshape({num_slots}, 1, -1)) with page_size=1 (CanaryPool.page_size)."
+        )
+    raise ValueError(
+        f"{arg} holds {pages} pages x page_size={page_size} = {pages * page_size} token slots, but the pool group "
+        f"has num_slots={num_slots}: a source must hold exactly the group's slots (slot s at page s // page_size, "
+        f"row s % page_size); got shape {shape}.{hint}"
+    )
 
 
 def check_paged_kv(arg: str, kv, page_size: int, num_slots: int):

@@ -149,6 +149,17 @@ _KV = jnp.zeros((4, 4, 2, 8), jnp.bfloat16)  # [pages, page_size, kv_heads, head
         (_CANARY, dict(full_k=_KV[:3]), ValueError,
          r"full_k holds 3 pages x 4 = 12 slots, fewer than the group's num_slots=16"),
         (_CANARY, dict(full_k=_KV.reshape(-1)), ValueError, r"full_k must be a paged KV array .*got shape \(256,\)"),
+        # Issue 43: a flat [slots, heads, dim] array whose head count is the page size passes for 16 pages of 4.
+        (_CANARY, dict(full_k=jnp.zeros((16, 4, 8), jnp.bfloat16)), ValueError,
+         r"full_k holds 16 pages x page_size=4 = 64 token slots, but the pool group has num_slots=16: .*got shape "
+         r"\(16, 4, 8\)\. Its leading axis holds the 16 slots: it looks like a flat per-slot array \[slots, heads, "
+         r"dim\], not \[pages, page_size, \.\.\.\]\. View it paged as the pool is: kv\.reshape\(4, 4, 4, 8\)"),
+        (_CANARY, dict(full_v=kc.RealKvSource(jnp.zeros((16, 4, 8), jnp.bfloat16), page_size=4)), ValueError,
+         r"full_v holds 16 pages x page_size=4 = 64 token slots, but the pool group has num_slots=16"),
+        (_CANARY, dict(full_k=jnp.concatenate([_KV, _KV])), ValueError,
+         r"full_k holds 8 pages x page_size=4 = 32 token slots, but the pool group has num_slots=16: a source must "
+         r"hold exactly the group's slots \(slot s at page s // page_size, row s % page_size\); got shape "
+         r"\(8, 4, 2, 8\)\.$"),
         (_CANARY, dict(full_k=_KV.astype(bool)), TypeError, r"full_k must have a 1/2/4/8-byte .*got dtype bool"),
         (_CANARY, dict(full_k=jnp.zeros((4, 4, 4), jnp.complex64)), TypeError, r"got dtype complex64"),
         (_CANARY, dict(full_k=jnp.zeros((4, 4, 2), jnp.float32)), ValueError,
@@ -174,8 +185,20 @@ def test_kv_sources_take_numpy_arrays_and_sequences():
     (k,), (v0, v1) = sources.full_k, sources.full_v
     assert isinstance(k.data, jax.Array) and (k.page_size, k.num_bytes_per_token) == (4, 32)
     assert v0.data is _KV and v1.page_size == 4
-    swa = _SWA_CANARY.kv_sources(swa_k=_KV.reshape(8, 2, 2, 8)).swa_k[0]
-    assert swa.page_size == 2 and swa.num_token_slots == 16
+    swa = _SWA_CANARY.kv_sources(swa_k=_KV.reshape(8, 2, 2, 8)[:4]).swa_k[0]
+    assert swa.page_size == 2 and swa.num_token_slots == 8
+
+
+def test_a_flat_kv_array_viewed_as_the_hint_says_reads_each_slot_at_its_own_row():
+    """Issue 43: flat [slots, heads=page_size, dim] was taken for [pages, page_size, ...] (slot 5 read at row 10 with
+    a page of 2); it is refused, and the reshape its message gives makes slot s's bytes the source's slot s."""
+    flat = jnp.arange(16 * 4 * 8, dtype=jnp.int32).reshape(16, 4, 8).astype(jnp.bfloat16)  # [slots, heads, dim]
+    with pytest.raises(ValueError, match=r"View it paged as the pool is: kv\.reshape\(4, 4, 4, 8\)"):
+        _CANARY.kv_sources(full_k=flat)
+    (k,) = _CANARY.kv_sources(full_k=flat.reshape(4, 4, 4, 8)).full_k
+    assert k.num_token_slots == 16 and k.num_bytes_per_token == 4 * 8 * 2
+    for slot in (5, 10):
+        np.testing.assert_array_equal(k.data[slot // 4, slot % 4], flat[slot])
 
 
 # ------------------------------------------------------------------------------------------- CanaryBatch (trace time)
@@ -428,6 +451,9 @@ def test_sources_are_checked_by_field_name():
          r"kv_cache_sources.swa_v holds at most 4 sources; got 5"),
         (dataclasses.replace(good, full_v=(kc.RealKvSource(kv[0][:2], page_size=PAGE_SIZE),)), ValueError,
          rf"kv_cache_sources.full_v\[0\] holds 8 token slots .*num_slots={NUM_SLOTS}"),
+        (dataclasses.replace(good, full_v=(kc.RealKvSource(jnp.concatenate([kv[0], kv[0]]), page_size=PAGE_SIZE),)),
+         ValueError, rf"kv_cache_sources.full_v\[0\] holds {2 * NUM_SLOTS // PAGE_SIZE} pages x page_size={PAGE_SIZE} "
+                     rf"= {2 * NUM_SLOTS} token slots, but the pool group has num_slots={NUM_SLOTS}"),
         (dataclasses.replace(good, swa_k=()), ValueError,
          r"real_kv_hash_mode=PARTIAL but kv_cache_sources has no swa_k source"),
     ]:  # fmt: skip
