@@ -154,6 +154,9 @@ _KV = jnp.zeros((4, 4, 2, 8), jnp.bfloat16)  # [pages, page_size, kv_heads, head
          r"full_k holds 16 pages x page_size=4 = 64 token slots, but the pool group has num_slots=16: .*got shape "
          r"\(16, 4, 8\)\. Its leading axis holds the 16 slots: it looks like a flat per-slot array \[slots, heads, "
          r"dim\], not \[pages, page_size, \.\.\.\]\. View it paged as the pool is: kv\.reshape\(4, 4, 4, 8\)"),
+        # A flat array whose head count is not the page size: the hint is the same reshape, not a page size.
+        (_CANARY, dict(full_k=jnp.zeros((16, 2, 8), jnp.bfloat16)), ValueError,
+         r"got shape \(16, 2, 8\)\. Its leading axis holds the 16 slots: .* kv\.reshape\(4, 4, 2, 8\)$"),
         (_CANARY, dict(full_v=kc.RealKvSource(jnp.zeros((16, 4, 8), jnp.bfloat16), page_size=4)), ValueError,
          r"full_v holds 16 pages x page_size=4 = 64 token slots, but the pool group has num_slots=16"),
         (_CANARY, dict(full_k=jnp.concatenate([_KV, _KV])), ValueError,
