@@ -243,6 +243,10 @@ class CanaryMonitor:
         Within one arm the ring stays SGLang's fill-once ring (row 0 is the arm's first unread violation); the
         monitor's totals, incidents and messages count over every arm.
 
+        Order matters for a ``snapshot=`` handed to :meth:`after_step`: it must come from a state of the arm the
+        monitor holds, so pass a step's snapshot to ``after_step`` before re-arming, and launch the next step from
+        the returned state (snapshots staged before a re-arm are read against their own arm, whatever the lag).
+
         Args:
           state: the canary state the owner holds now.
 
