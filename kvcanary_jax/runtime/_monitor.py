@@ -277,24 +277,30 @@ class CanaryMonitor:
         Raises:
           KvCanaryViolationError: in raise mode, if violations not yet raised are found.
         """
-        self._check_state(state)
-        if self.canary.enabled:
-            while self._pending:
-                self._process(self._pending.popleft(), state, periodic=False)
-            now = _Staged(self.step, self.user_step, self._take_snapshot(state), self.cursor.epoch)
-            self._process(now, state, periodic=False)
-        return self._whole_report(state)
+        return self._read_all(state, periodic=False)
 
     def final_check(self, state: CanaryState) -> _report.ViolationReport:
-        """Blocking, at shutdown: :meth:`flush` (every staged snapshot and the state now, no health check).
+        """Blocking, at shutdown: :meth:`flush`, but each staged step gets the health check and stats line
+        :meth:`after_step` would have given it (the steps ran); the state now gets none.
 
         Returns:
           The report :meth:`flush` returns.
 
         Raises:
           KvCanaryViolationError: in raise mode, if violations not yet raised are found.
+          KvCanaryHealthError: when a staged step's health check finds a tag that did not run.
         """
-        return self.flush(state)
+        return self._read_all(state, periodic=True)
+
+    def _read_all(self, state: CanaryState, *, periodic: bool) -> _report.ViolationReport:
+        """Reads every staged snapshot (``periodic``: with their health checks and stats), then ``state`` now."""
+        self._check_state(state)
+        if self.canary.enabled:
+            while self._pending:
+                self._process(self._pending.popleft(), state, periodic=periodic)
+            now = _Staged(self.step, self.user_step, self._take_snapshot(state), self.cursor.epoch)
+            self._process(now, state, periodic=False)
+        return self._whole_report(state)
 
     def _whole_report(self, state: CanaryState) -> _report.ViolationReport:
         """The ring's report; after a re-arm, its counts over every arm."""

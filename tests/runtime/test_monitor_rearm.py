@@ -266,6 +266,11 @@ def test_flush_reads_every_staged_step_and_runs_no_health_check(caplog):
     twin.after_step(state)  # step 4 reads step 1
     with pytest.raises(KvCanaryHealthError, match=r"at step=2; canary path is not executing"):
         twin.after_step(state)  # step 5 reads step 2 and checks health
+    shutdown = CanaryMonitor(canary, log=logging.getLogger("twin"))
+    for _ in range(3):
+        shutdown.after_step(state)
+    with pytest.raises(KvCanaryHealthError, match=r"at step=2; canary path is not executing"):
+        shutdown.final_check(state)  # at shutdown the staged steps get the checks after_step would have given
 
 
 def test_leaving_the_with_block_with_unread_steps_names_them(caplog):
