@@ -755,7 +755,13 @@ def test_one_bad_value_gives_one_row_naming_it(padding, kind, data):
                slot=v.slot_idx, position=v.position)  # fmt: skip
     assert got == {key: want[key] for key in got}
     message = kc.format_violation(v, total=1, overflowed=False)
-    assert f"  input: {_input_where(want)} = {want['value']} " in message
+    if want["problem"] == "PAST_TOKENS":  # the value is the rows' token count, named as such (issue 43)
+        e = want["entry"]
+        assert (f"  input: extend_lens[{e}]: the token entries of batch {f'rows 0..{e}' if e else 'row 0'} "
+                f"(sum(extend_lens[:{e + 1}]) = {want['value']}) run past the {TOKENS} token entries of the batch "
+                "(input_ids, positions, out_cache_loc)") in message  # fmt: skip
+    else:
+        assert f"  input: {_input_where(want)} = {want['value']} " in message
 
 
 @pytest.mark.parametrize("padding", PADDINGS)
