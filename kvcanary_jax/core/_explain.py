@@ -39,7 +39,6 @@ _PROBLEMS = {
     InputProblem.RESERVED_ROW: "is the reserved padding row 0, but the row is a request (it has a cached prefix or "
     "writes a real slot)",
     InputProblem.RESERVED_SLOT: "is the reserved padding slot 0, inside a request",
-    InputProblem.PAST_TOKENS: "(the token count up to this row) runs past the {limit} token entries of the batch",
     InputProblem.PAST_CONTEXT: "(prefix_lens + extend_lens) exceeds req_to_token's width {limit}",
     InputProblem.UNADOPTED: "was never adopted (missing from the entries, rejected itself, or a cycle): not adopted",
 }
@@ -78,6 +77,12 @@ def input_line(v) -> str:
         where = f"prefix-cache sweep entry SweepEntries.{column}[{entry}] (slot {v.slot_idx}, position {v.position})"
     else:
         where = f"{field.name.lower()}[{entry}]"
+    if problem is InputProblem.PAST_TOKENS:  # the value is the rows' token count, not extend_lens[entry] itself
+        rows = f"row {entry}" if entry == 0 else f"rows 0..{entry}"
+        return (
+            f"{where}: the token entries of batch {rows} (sum(extend_lens[:{entry + 1}]) = {value}) run past the "
+            f"{limit} token entries of the batch (input_ids, positions, out_cache_loc)"
+        )
     return f"{where} = {value} " + _PROBLEMS[problem].format(limit=limit)
 
 

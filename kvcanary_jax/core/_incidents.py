@@ -18,6 +18,12 @@ at every later step, and a corrupted slot fails again at every step that reads i
 
 Rows of different scopes never share an incident: a mesh's data replicas hold their own requests and slots (its TP
 shards share theirs, so a fault every shard sees is one incident).
+
+With ``fold_repeats``, a row equal to one an earlier :meth:`Incidents.add` placed, but for its launch tag (the same
+slot, position, stored and expected token, stored hash, expected aux and fail reason bits), is a repeat: counted
+in its incident (``rows``, ``repeats``) and in ``Incidents.repeats``, but not returned to be shown again, so a
+request whose corrupted slots are re-verified at every step does not flood the log. The ``_MAX_REMEMBERED`` distinct
+rows seen most recently are remembered; a row forgotten, seen again, shows once more.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ from kvcanary_jax.core import _explain
 from kvcanary_jax.core._constants import CanaryLaunchTag, FailReason
 
 _MAX_LISTED = 4  # knock-on slots named in a headline; the rest are counted
+_MAX_REMEMBERED = 4096  # distinct rows kept to fold repeats: bounded memory on a server that runs for days
 _WRITE_BITS = FailReason.WRITE_TOKEN_MISMATCH | FailReason.WRITE_POSITION_MISMATCH
 _INPUT = FailReason.INVALID_INPUT
 
@@ -43,6 +50,12 @@ def _slot_key(v) -> tuple[str, int]:
 
 def _input_key(v) -> tuple[int, ...]:
     return v.reason_detail, v.stored_chain_hash, v.stored_token, v.expected_aux, v.position, v.slot_idx
+
+
+def _repeat_key(v) -> tuple[int, ...]:
+    """A row's SGLang fields but its launch tag (``fail_reason_bits`` whole: its detail word too)."""
+    return (v.slot_idx, v.position, v.stored_token, v.expected_token, v.stored_chain_hash, v.expected_aux,
+            int(v.fail_reason), v.reason_detail)  # fmt: skip
 
 
 def _position(v) -> int:
@@ -73,6 +86,7 @@ class Incident:
       knock_ons: the first row of each knock-on slot (later positions of the request whose chain the root broke).
       partners: the first row of each other request the same fault hit (tokens crossed with the root's).
       last_step: the latest step that added a row.
+      repeats: rows counted in ``rows`` that repeated an earlier step's row (see ``fold_repeats``), not shown.
     """
 
     number: int
@@ -82,6 +96,7 @@ class Incident:
     knock_ons: list = dataclasses.field(default_factory=list)
     partners: list = dataclasses.field(default_factory=list)
     last_step: int | None = None
+    repeats: int = 0
     _slots: set = dataclasses.field(default_factory=set, repr=False)
 
     @property
@@ -134,9 +149,17 @@ class Incident:
 
 
 class Incidents:
-    """Folds rows into incidents as they arrive, one step at a time (see the module docstring)."""
+    """Folds rows into incidents as they arrive, one step at a time (see the module docstring).
 
-    def __init__(self):
+    Args:
+      fold_repeats: count a row that repeats one an earlier :meth:`add` placed without returning it (see the module
+        docstring); ``repeats`` counts them.
+    """
+
+    def __init__(self, *, fold_repeats: bool = False):
+        self.fold_repeats = fold_repeats
+        self.repeats = 0
+        self._placed_before: dict[tuple, Incident] = {}  # (scope, repeat key), oldest first: bounded
         self.incidents: list[Incident] = []
         self._by_slot: dict[tuple, Incident] = {}  # keys: (scope, (group, slot))
         self._by_request: dict[tuple, Incident] = {}  # keys: (scope, request row)
@@ -145,9 +168,17 @@ class Incidents:
 
     def add(self, rows: Iterable, *, step: int | None = None, scope=None) -> list[tuple[object, Incident]]:
         """Adds one step's rows of one scope (hashable; see the module docstring); returns each row with its incident,
-        roots and lower positions first."""
-        placed, opened = [], []
+        roots and lower positions first (repeats left out, with ``fold_repeats``)."""
+        placed, opened, keys = [], [], {}
         for v in sorted(rows, key=_order):
+            key = (scope, _repeat_key(v))
+            if self.fold_repeats and key in self._placed_before:
+                incident = self._placed_before[key] = self._placed_before.pop(key)  # now the newest: kept longest
+                incident.rows += 1
+                incident.repeats += 1
+                incident.last_step = step
+                self.repeats += 1
+                continue
             incident = self._find(v, scope) or _crossed(v, opened)
             if incident is None:
                 incident = Incident(len(self.incidents) + 1, v, step, rows=0)
@@ -173,7 +204,18 @@ class Incidents:
                 incident._slots.add(_slot_key(v))
                 self._by_slot.setdefault((scope, _slot_key(v)), incident)
             placed.append((v, incident))
+            keys.setdefault(key, incident)
+        if self.fold_repeats:
+            self._remember(keys)
         return placed
+
+    def _remember(self, keys: dict[tuple, Incident]) -> None:
+        """Keeps this call's rows to fold their repeats in later calls; forgets the oldest past the bound."""
+        for key, incident in keys.items():
+            self._placed_before.pop(key, None)  # re-inserted: now the newest
+            self._placed_before[key] = incident
+        while len(self._placed_before) > _MAX_REMEMBERED:
+            del self._placed_before[next(iter(self._placed_before))]
 
     def _find(self, v, scope) -> Incident | None:
         invalid = v.fail_reason & _INPUT
@@ -232,9 +274,10 @@ def messages(
                 lines = [incident.headline()]
             else:
                 added = sum(1 for _, i in placed if i is incident)
+                repeats = f", {incident.repeats} repeat(s) not shown" if incident.repeats else ""
                 lines = [
                     f"kv-canary incident #{incident.number}: {added} more row(s) at step {incident.last_step} "
-                    f"({incident.rows} in all): the same fault, already reported"
+                    f"({incident.rows} in all{repeats}): the same fault, already reported"
                 ]
             if note is not None:
                 lines.append(note(incident))

@@ -172,7 +172,10 @@ def check_sources(canary: KvCanary, sources) -> None:
     for field in dataclasses.fields(_pool.KvSources):
         value, arg = getattr(sources, field.name), f"kv_cache_sources.{field.name}"
         if field.name in launched:
-            realkv.validate_sources(value, num_slots=launched[field.name][0].num_slots, arg=arg)
+            num_slots = launched[field.name][0].num_slots
+            realkv.validate_sources(value, num_slots=num_slots, arg=arg)
+            for i, source in enumerate(value):
+                _pool.check_covers_pool(f"{arg}[{i}]", source, num_slots)
         elif value:
             raise ValueError(
                 f"{arg} holds sources, but no launch of this canary reads them (CanaryPool.swa="

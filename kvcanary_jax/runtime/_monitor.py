@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
+import weakref
 
 import jax
 import jax.numpy as jnp
@@ -13,7 +14,7 @@ import numpy as np
 from kvcanary_jax.core import _constants, _incidents, _report
 from kvcanary_jax.core._constants import CanaryMode
 from kvcanary_jax.core._state import u64_pairs_as_int64
-from kvcanary_jax.runtime import _checks, _health
+from kvcanary_jax.runtime import _checks, _health, _ring_cursor
 from kvcanary_jax.runtime._batch import CanaryState
 from kvcanary_jax.runtime._canary import KvCanary
 from pallas_kernels import checks
@@ -69,7 +70,7 @@ class ObservedViolation:
       violation: the decoded ring row.
       step: the monitor step (1-based count of ``after_step`` calls) whose launches appended the row.
       observed_step: the monitor step at which the host read it (``step + check_lag_steps`` normally).
-      row: the row's index in the ring.
+      row: the row's index in the ring when the host read it (after any :meth:`CanaryMonitor.rearm` before then).
       user_step: the step the caller passed to ``after_step`` for ``step`` (None if it passed none).
     """
 
@@ -78,6 +79,26 @@ class ObservedViolation:
     observed_step: int
     row: int
     user_step: int | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class _Staged:
+    """A snapshot waiting for its lagged read: the step it follows and the arm of the state it was taken from."""
+
+    step: int
+    user_step: int | None
+    snapshot: jax.Array
+    epoch: int
+
+
+def _unchecked_message(steps: int) -> str:
+    return f"kv-canary: {steps} step(s) never checked; call final_check(state)"
+
+
+def _warn_unchecked(pending: collections.deque, log: logging.Logger | logging.LoggerAdapter) -> None:
+    """At garbage collection or interpreter exit: name the staged snapshots no read will see (refers no monitor)."""
+    if pending:
+        log.warning("%s (the monitor was dropped or the interpreter exited)", _unchecked_message(len(pending)))
 
 
 class CanaryMonitor:
@@ -93,7 +114,18 @@ class CanaryMonitor:
     running; every ``stats_every_n_steps`` it logs SGLang's stats line.
 
     Call :meth:`after_step` once per outer step, after the step (and a sweep, if one ran), before the state is
-    donated again; call :meth:`final_check` at shutdown.
+    donated again; call :meth:`final_check` at shutdown, :meth:`flush` when the loop goes idle.
+
+    The ring is fill-once within an arm: a long run in log mode calls ``state = monitor.rearm(state)`` after
+    ``after_step`` to drop the rows already reported, so the ring keeps naming new incidents. Totals
+    (:attr:`total_violations`, ``total_violations=`` in messages) count over every arm. A row that repeats an earlier
+    step's row but for its launch tag is counted (:attr:`repeats`, the incident's count) but not logged again.
+
+    Unchecked steps are never lost silently: used as a context manager (``with CanaryMonitor(canary) as
+    monitor:``), leaving the block with staged snapshots unread logs ``kv-canary: N step(s) never checked; call
+    final_check(state)`` (the monitor holds no state to read them with); so does a monitor garbage-collected, or
+    alive at interpreter exit, with staged snapshots unread. :meth:`final_check` or :meth:`flush` before then
+    reads them and silences it.
 
     Args:
       canary: the :class:`KvCanary` whose state is polled.
@@ -112,18 +144,55 @@ class CanaryMonitor:
             raise TypeError(f"verbose must be a bool; got verbose={verbose!r}")
         self.canary = canary
         self.verbose = verbose
-        self.incidents = _incidents.Incidents()
+        self.incidents = _incidents.Incidents(fold_repeats=True)
         self.config = canary.config
         self.log = log or logger
         self.step = 0
         self.observed: list[ObservedViolation] = []
         self.watchdog = _health.HealthWatchdog(canary.launch_tags())
-        self._pending: collections.deque[tuple[int, int | None, jax.Array]] = collections.deque()
-        self._index = 0  # write index as of the last processed snapshot
+        self._pending: collections.deque[_Staged] = collections.deque()
+        self.cursor = _ring_cursor.RingCursor(canary.config.ring_capacity)  # rows read, across re-arms
         self._overflows = 0
         self._launches = -1  # the most launches a state seen so far has been through (its age)
         self._report: _report.ViolationReport | None = None  # the last pulled ring
         self.user_step: int | None = None  # the caller's number for the latest step, if it passed one
+        # Refers to the deque, not the monitor: the monitor can still be collected.
+        self._finalizer = weakref.finalize(self, _warn_unchecked, self._pending, self.log)
+
+    def __enter__(self) -> CanaryMonitor:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        """Logs how many staged steps were never read (call :meth:`final_check` before leaving); raises nothing."""
+        if self._pending:
+            self.log.warning(_unchecked_message(len(self._pending)))
+            self._finalizer.detach()  # named once: not again at garbage collection
+        return None
+
+    @property
+    def _index(self) -> int:
+        """Violations counted as of the last processed snapshot, over every arm (monotonic)."""
+        return self.cursor.total
+
+    @property
+    def total_violations(self) -> int:
+        """Violations the monitor has counted so far, over every re-arm (rows read, repeats and dropped included)."""
+        return self.cursor.total
+
+    @property
+    def dropped_violations(self) -> int:
+        """Violations counted that had no ring row to read (the ring was full); each was reported as dropped."""
+        return self.cursor.dropped
+
+    @property
+    def repeats(self) -> int:
+        """Rows counted but not logged: equal but for the launch tag to a row an earlier read reported."""
+        return self.incidents.repeats
+
+    @property
+    def unchecked_steps(self) -> int:
+        """Steps whose snapshot is staged but not read yet (what :meth:`flush` would read)."""
+        return len(self._pending)
 
     @property
     def sweep_due(self) -> bool:
@@ -157,22 +226,93 @@ class CanaryMonitor:
         if snapshot is None:
             snapshot = self._take_snapshot(state)
         snapshot.copy_to_host_async()
-        self._pending.append((self.step, self.user_step, snapshot))
-        while self._pending and self._pending[0][0] <= self.step - self.config.check_lag_steps:
-            self._process(*self._pending.popleft(), state)
+        self._pending.append(_Staged(self.step, self.user_step, snapshot, self.cursor.epoch))
+        while self._pending and self._pending[0].step <= self.step - self.config.check_lag_steps:
+            self._process(self._pending.popleft(), state)
 
-    def final_check(self, state: CanaryState) -> _report.ViolationReport:
-        """Blocking: processes every pending snapshot and the state as it is now; returns the full report.
+    def rearm(self, state: CanaryState) -> CanaryState:
+        """Drops the ring rows this monitor has read, so a fill-once ring never stays full; returns the new state.
+
+        Call it after :meth:`after_step` (or :meth:`flush`), with the state passed there or a later one, and use the
+        state it returns: the old one's ring is donated. On device, in one jitted launch and with no host sync, it
+        drops rows ``[0, n)`` (``n``: the rows read from this arm), moves the unread rows ``[n, index)`` down to
+        ``[0, ...)`` and lowers the write index by what it removed; rows a full ring dropped are still counted and
+        reported as dropped. With nothing read from this arm yet (``n == 0``, e.g. within ``check_lag_steps`` of the
+        last re-arm), or the canary off, it returns ``state`` itself and launches nothing.
+
+        Within one arm the ring stays SGLang's fill-once ring (row 0 is the arm's first unread violation); the
+        monitor's totals, incidents and messages count over every arm.
+
+        Order matters for a ``snapshot=`` handed to :meth:`after_step`: it must come from a state of the arm the
+        monitor holds, so pass a step's snapshot to ``after_step`` before re-arming, and launch the next step from
+        the returned state (snapshots staged before a re-arm are read against their own arm, whatever the lag).
+
+        Args:
+          state: the canary state the owner holds now.
+
+        Returns:
+          The state with its ring re-armed (the same object when nothing was drained).
+        """
+        self._check_state(state)
+        drained = self.cursor.drainable
+        if not self.canary.enabled or drained == 0:
+            return state
+        log, before = _ring_cursor.drain(state.violation_log, np.int32(drained))
+        before.copy_to_host_async()
+        self.cursor.rearmed(drained, before)
+        self._report = None  # the pulled ring's rows moved
+        return dataclasses.replace(state, device=dataclasses.replace(state.device, violation_log=log))
+
+    def flush(self, state: CanaryState) -> _report.ViolationReport:
+        """Blocking: reads every staged snapshot and ``state`` as it is now, and reports all that is pending.
+
+        For a loop going idle or shutting down. Unlike :meth:`after_step` it runs no health check and writes no
+        stats line (an idle loop launches nothing, which is not a stall); violations are logged, or raised in raise
+        mode, as usual. Afterwards :attr:`unchecked_steps` is 0.
+
+        Returns:
+          The ring as read now (``read_violations``); after a :meth:`rearm`, its ``write_index``, ``is_errored``
+          and ``overflowed`` count over every arm (:attr:`total_violations`), its rows are the current arm's.
 
         Raises:
           KvCanaryViolationError: in raise mode, if violations not yet raised are found.
         """
+        return self._read_all(state, periodic=False)
+
+    def final_check(self, state: CanaryState) -> _report.ViolationReport:
+        """Blocking, at shutdown: :meth:`flush`, but each staged step gets the health check and stats line
+        :meth:`after_step` would have given it (the steps ran); the state now gets none.
+
+        Returns:
+          The report :meth:`flush` returns.
+
+        Raises:
+          KvCanaryViolationError: in raise mode, if violations not yet raised are found.
+          KvCanaryHealthError: when a staged step's health check finds a tag that did not run.
+        """
+        return self._read_all(state, periodic=True)
+
+    def _read_all(self, state: CanaryState, *, periodic: bool) -> _report.ViolationReport:
+        """Reads every staged snapshot (``periodic``: with their health checks and stats), then ``state`` now."""
         self._check_state(state)
         if self.canary.enabled:
             while self._pending:
-                self._process(*self._pending.popleft(), state)
-            self._process(self.step, self.user_step, self._take_snapshot(state), state, periodic=False)
-        return _report.read_violations(state.violation_log)
+                self._process(self._pending.popleft(), state, periodic=periodic)
+            now = _Staged(self.step, self.user_step, self._take_snapshot(state), self.cursor.epoch)
+            self._process(now, state, periodic=False)
+        return self._whole_report(state)
+
+    def _whole_report(self, state: CanaryState) -> _report.ViolationReport:
+        """The ring's report; after a re-arm, its counts over every arm."""
+        ring = _report.read_violations(state.violation_log)
+        if self.cursor.epoch == 0:
+            return ring
+        total = max(self.cursor.total, self.cursor.base + ring.write_index)
+        first = self.observed[0].violation if self.observed else ring.first_violation
+        overflowed = ring.overflowed or self.cursor.dropped > 0
+        return dataclasses.replace(
+            ring, write_index=total, is_errored=total > 0, overflowed=overflowed, first_violation=first
+        )
 
     def _check_state(self, state) -> None:
         """What the monitor reads: a CanaryState whose ring has the configured capacity."""
@@ -199,10 +339,9 @@ class CanaryMonitor:
     def _take_snapshot(state: CanaryState) -> jax.Array:
         return _snapshot(*_polled(state))
 
-    def _process(
-        self, step: int, user_step: int | None, snapshot: jax.Array, state: CanaryState, periodic: bool = True
-    ) -> None:
-        index, overflows, kernel, slot = _unpack(np.asarray(snapshot))
+    def _process(self, staged: _Staged, state: CanaryState, periodic: bool = True) -> None:
+        step, user_step = staged.step, staged.user_step
+        index, overflows, kernel, slot = _unpack(np.asarray(staged.snapshot))
         # Every launch counts itself (kernel_run_counters), so their sum orders the states one run goes through.
         launches = int(kernel.sum())
         if launches < self._launches:
@@ -222,36 +361,37 @@ class CanaryMonitor:
                 capacities,
             )
             self._overflows = overflows
-        if index > self._index:
-            self._collect(step, user_step, index, state)
+        rows, dropped = self.cursor.read(staged.epoch, index)
+        if rows or dropped:
+            self._collect(step, user_step, rows, dropped, state)
         if periodic and self.config.health_check_every_n_steps and step % self.config.health_check_every_n_steps == 0:
             self.watchdog.check(kernel, step=step)
         if periodic and self.config.stats_every_n_steps and step % self.config.stats_every_n_steps == 0:
             self.log.info(
-                _health.stats_line(step=step, kernel_run_counters=kernel, slot_run_counters=slot, write_index=index)
+                _health.stats_line(
+                    step=step, kernel_run_counters=kernel, slot_run_counters=slot, write_index=self.cursor.total
+                )
             )
 
-    def _collect(self, step: int, user_step: int | None, index: int, state: CanaryState) -> None:
-        """Reports ring rows ``[previous index, index)``, all written by ``step``; pulls the ring only if needed."""
+    def _collect(self, step: int, user_step: int | None, rows: range, dropped: int, state: CanaryState) -> None:
+        """Reports ring ``rows`` (positions in the state's ring), all written by ``step``, and ``dropped`` rows the
+        full ring lost; pulls the ring only if needed."""
         capacity = self.config.ring_capacity
-        first, last = min(self._index, capacity), min(index, capacity)
-        if last > first and (self._report is None or self._report.ring_valid_count < last):
+        if rows and (self._report is None or self._report.ring_valid_count < rows.stop):
             self._report = _report.read_violations(state.violation_log)  # a sync, only when there is news
-        new = [
-            ObservedViolation(self._report.violations[row], step, self.step, row, user_step)
-            for row in range(first, last)
-        ]
-        dropped = index - max(self._index, capacity) if index > capacity else 0
-        self._index = index
+        new = [ObservedViolation(self._report.violations[row], step, self.step, row, user_step) for row in rows]
         self.observed.extend(new)
         now = self.step if self.user_step is None else self.user_step
         written = step if user_step is None else user_step
-        messages = self._messages([o.violation for o in new], total=index, step=now, written_step=written)
+        total = self.cursor.total
+        messages = self._messages([o.violation for o in new], total=total, step=now, written_step=written)
         if dropped:
             messages.append(
                 f"kv-canary: {dropped} more violation(s) at step={written} were dropped: the ring "
                 f"(ring_capacity={capacity}) is full"
             )
+        if not messages:  # only repeats of rows already reported: counted (self.repeats), not shown again
+            return
         if self.config.mode is CanaryMode.RAISE:
             raise _report.KvCanaryViolationError(
                 _report.read_violations(state.violation_log), "\n".join(messages), self.incidents.incidents
@@ -263,7 +403,7 @@ class CanaryMonitor:
         """One message per incident the rows touch: a new one's headline and root row, an old one's new count."""
         opened = len(self.incidents.incidents)
         placed = self.incidents.add(rows, step=written_step)
-        overflowed = total > self.config.ring_capacity
+        overflowed = self.cursor.dropped > 0  # within one arm: total > ring_capacity, as SGLang's host says
         raw = lambda v: _report.format_violation(  # noqa: E731
             v, total=total, overflowed=overflowed, step=step, written_step=written_step
         )

@@ -201,7 +201,50 @@ def as_sources(name: str, value, page_size: int, num_slots: int) -> tuple[RealKv
             out.append(RealKvSource(check_paged_kv(arg, item, page_size, num_slots), page_size=page_size))
         else:
             raise TypeError(f"{arg} must be a KV array or a RealKvSource; got {type(item).__name__}")
-    return realkv.validate_sources(tuple(out), num_slots=num_slots, arg=name)
+    sources = realkv.validate_sources(tuple(out), num_slots=num_slots, arg=name)  # too few slots: named there
+    for i, source in enumerate(sources):
+        check_covers_pool(name if len(sources) == 1 and not isinstance(value, (list, tuple)) else f"{name}[{i}]",
+                          source, num_slots)  # fmt: skip
+    return sources
+
+
+def check_covers_pool(arg: str, source: RealKvSource, num_slots: int) -> None:
+    """A source's pages hold exactly the group's slots: with more, a slot would read another slot's KV bytes.
+
+    The usual cause is a flat per-slot array ``[num_slots, heads, dim]`` whose head count equals the pool's page
+    size: it passes for ``num_slots`` pages of ``page_size`` slots each, and slot ``s`` is then read at flat row ``s //
+    page_size`` (with a page of 2, a fault in slot 5's KV is reported at slot 10).
+
+    Raises:
+      ValueError: naming the source, its pages x page_size and the group's num_slots, with the reshape that fits.
+    """
+    pages, page_size = int(source.data.shape[0]), source.page_size
+    if pages * page_size == num_slots:
+        return
+    shape = tuple(source.data.shape)
+    hint = _flat_hint(shape, page_size, num_slots) if page_size > 1 else ""
+    raise ValueError(
+        f"{arg} holds {pages} pages x page_size={page_size} = {pages * page_size} token slots, but the pool group "
+        f"has num_slots={num_slots}: a source must hold exactly the group's slots (slot s at page s // page_size, "
+        f"row s % page_size); got shape {shape}.{hint}"
+    )
+
+
+def _flat_hint(shape: tuple[int, ...], page_size: int, num_slots: int) -> str:
+    """The fix for a flat per-slot array ``[num_slots, heads, dim]`` (its leading axis the slots), or ``""``."""
+    if not shape or shape[0] != num_slots or num_slots <= 0:
+        return ""
+    if num_slots % page_size:
+        return (
+            f" Its leading axis holds the {num_slots} slots: a flat per-slot array [slots, heads, dim]; view it as "
+            f"[slots, 1, heads * dim] (kv.reshape({num_slots}, 1, -1)) with page_size=1 (CanaryPool.page_size)."
+        )
+    rest = "".join(f", {d}" for d in shape[1:])
+    return (
+        f" Its leading axis holds the {num_slots} slots: it looks like a flat per-slot array [slots, heads, dim], "
+        f"not [pages, page_size, ...]. View it paged as the pool is: kv.reshape({num_slots // page_size}, "
+        f"{page_size}{rest})"
+    )
 
 
 def check_paged_kv(arg: str, kv, page_size: int, num_slots: int):
@@ -209,13 +252,14 @@ def check_paged_kv(arg: str, kv, page_size: int, num_slots: int):
     check_kv_dtype(kv.dtype, arg)
     shape = tuple(kv.shape)
     if len(shape) < 2 or shape[1] != page_size:
-        hint = ""
-        if len(shape) >= 4 and shape[2] == page_size:  # only the axis after heads; head_dim may equal it too
+        hint = _flat_hint(shape, page_size, num_slots)
+        # A later page axis: only the axis after heads (head_dim may equal the page size too).
+        if not hint and len(shape) >= 4 and shape[2] == page_size:
             hint = (
                 f" The page_size ({page_size}) is a later axis: a head-major [pages, heads, page_size, dim] array "
                 "is not laid out per slot; pass a slot-major view, or a RealKvSource stating the layout."
             )
-        elif len(shape) >= 2:
+        elif not hint and len(shape) >= 2:
             hint = (
                 f" Its pages hold {shape[1]} slots: if the engine pages KV by {shape[1]}, the canary's page_size "
                 "must say so (CanaryPool.page_size, or SwaGroup.page_size for the SWA group)."

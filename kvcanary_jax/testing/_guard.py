@@ -20,7 +20,9 @@ _STATES = (CanaryState, CanaryDeviceState)
 class CanaryGuard:
     """Watches a test's canary states; :meth:`check` fails if any of them recorded a violation.
 
-    The ring is fill-once and its index only grows, so the newest state of each canary says everything. The guard
+    The ring is fill-once and its index only grows, so the newest state of each canary says everything (unless a
+    :class:`~kvcanary_jax.CanaryMonitor` re-armed it: ``rearm`` drops the rows that monitor read, so check the
+    monitor's ``total_violations`` there). The guard
     keeps an on-device copy of that state's violation log (a step usually donates its state to the next one),
     which costs no host sync.
 

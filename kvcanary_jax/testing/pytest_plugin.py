@@ -39,5 +39,9 @@ def pytest_runtest_call(item: pytest.Item):
         try:
             guard.check()
         except AssertionError as e:
-            pytest.fail(str(e), pytrace=False)
+            failure = str(e)
+        else:
+            failure = None
+        if failure is not None:  # failed outside the except: a chained AssertionError would print the text twice
+            pytest.fail(failure, pytrace=False)
     return result

@@ -127,6 +127,6 @@ def test_a_bad_span_naming_no_request_takes_the_unwritten_slots_of_later_steps()
     knock_ons = "  explains 5 row(s); knock-ons of this root at slot@position 3@2, 23@2, 24@3"
     assert first.headline().splitlines()[-1] == knock_ons
     assert first.label(later) == (
-        "  incident: knock-on of #1 (root: extend_lens[0] = 4 (the token count up to this row) runs past the 3 token "
-        "entries of the batch)"
+        "  incident: knock-on of #1 (root: extend_lens[0]: the token entries of batch row 0 (sum(extend_lens[:1]) = 4) "
+        "run past the 3 token entries of the batch (input_ids, positions, out_cache_loc))"
     )

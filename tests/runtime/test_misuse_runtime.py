@@ -149,6 +149,20 @@ _KV = jnp.zeros((4, 4, 2, 8), jnp.bfloat16)  # [pages, page_size, kv_heads, head
         (_CANARY, dict(full_k=_KV[:3]), ValueError,
          r"full_k holds 3 pages x 4 = 12 slots, fewer than the group's num_slots=16"),
         (_CANARY, dict(full_k=_KV.reshape(-1)), ValueError, r"full_k must be a paged KV array .*got shape \(256,\)"),
+        # Issue 43: a flat [slots, heads, dim] array whose head count is the page size passes for 16 pages of 4.
+        (_CANARY, dict(full_k=jnp.zeros((16, 4, 8), jnp.bfloat16)), ValueError,
+         r"full_k holds 16 pages x page_size=4 = 64 token slots, but the pool group has num_slots=16: .*got shape "
+         r"\(16, 4, 8\)\. Its leading axis holds the 16 slots: it looks like a flat per-slot array \[slots, heads, "
+         r"dim\], not \[pages, page_size, \.\.\.\]\. View it paged as the pool is: kv\.reshape\(4, 4, 4, 8\)"),
+        # A flat array whose head count is not the page size: the hint is the same reshape, not a page size.
+        (_CANARY, dict(full_k=jnp.zeros((16, 2, 8), jnp.bfloat16)), ValueError,
+         r"got shape \(16, 2, 8\)\. Its leading axis holds the 16 slots: .* kv\.reshape\(4, 4, 2, 8\)$"),
+        (_CANARY, dict(full_v=kc.RealKvSource(jnp.zeros((16, 4, 8), jnp.bfloat16), page_size=4)), ValueError,
+         r"full_v holds 16 pages x page_size=4 = 64 token slots, but the pool group has num_slots=16"),
+        (_CANARY, dict(full_k=jnp.concatenate([_KV, _KV])), ValueError,
+         r"full_k holds 8 pages x page_size=4 = 32 token slots, but the pool group has num_slots=16: a source must "
+         r"hold exactly the group's slots \(slot s at page s // page_size, row s % page_size\); got shape "
+         r"\(8, 4, 2, 8\)\.$"),
         (_CANARY, dict(full_k=_KV.astype(bool)), TypeError, r"full_k must have a 1/2/4/8-byte .*got dtype bool"),
         (_CANARY, dict(full_k=jnp.zeros((4, 4, 4), jnp.complex64)), TypeError, r"got dtype complex64"),
         (_CANARY, dict(full_k=jnp.zeros((4, 4, 2), jnp.float32)), ValueError,
@@ -174,8 +188,20 @@ def test_kv_sources_take_numpy_arrays_and_sequences():
     (k,), (v0, v1) = sources.full_k, sources.full_v
     assert isinstance(k.data, jax.Array) and (k.page_size, k.num_bytes_per_token) == (4, 32)
     assert v0.data is _KV and v1.page_size == 4
-    swa = _SWA_CANARY.kv_sources(swa_k=_KV.reshape(8, 2, 2, 8)).swa_k[0]
-    assert swa.page_size == 2 and swa.num_token_slots == 16
+    swa = _SWA_CANARY.kv_sources(swa_k=_KV.reshape(8, 2, 2, 8)[:4]).swa_k[0]
+    assert swa.page_size == 2 and swa.num_token_slots == 8
+
+
+def test_a_flat_kv_array_viewed_as_the_hint_says_reads_each_slot_at_its_own_row():
+    """Issue 43: flat [slots, heads=page_size, dim] was taken for [pages, page_size, ...] (slot 5 read at row 10 with
+    a page of 2); it is refused, and the reshape its message gives makes slot s's bytes the source's slot s."""
+    flat = jnp.arange(16 * 4 * 8, dtype=jnp.int32).reshape(16, 4, 8).astype(jnp.bfloat16)  # [slots, heads, dim]
+    with pytest.raises(ValueError, match=r"View it paged as the pool is: kv\.reshape\(4, 4, 4, 8\)"):
+        _CANARY.kv_sources(full_k=flat)
+    (k,) = _CANARY.kv_sources(full_k=flat.reshape(4, 4, 4, 8)).full_k
+    assert k.num_token_slots == 16 and k.num_bytes_per_token == 4 * 8 * 2
+    for slot in (5, 10):
+        np.testing.assert_array_equal(k.data[slot // 4, slot % 4], flat[slot])
 
 
 # ------------------------------------------------------------------------------------------- CanaryBatch (trace time)
@@ -290,7 +316,7 @@ def test_the_monitor_refuses_an_older_state_and_a_donated_one_by_name():
     new = step(canary.init_state(), batch)
     launches = lambda state: int(np.asarray(state.device.kernel_run_counters).view(np.int64).sum())  # noqa: E731
     assert launches(new) > launches(old) == 0
-    for check in ("after_step", "final_check"):
+    for check in ("after_step", "final_check", "flush"):
         monitor = kc.CanaryMonitor(dataclasses.replace(canary, config=dataclasses.replace(canary.config,
                                                                                           check_lag_steps=0)))
         monitor.after_step(new)
@@ -300,8 +326,9 @@ def test_the_monitor_refuses_an_older_state_and_a_donated_one_by_name():
     donated = canary.init_state()
     step(donated, batch)
     gone = r"state was donated to an earlier step and its buffers are gone: use the state that step returned"
-    with pytest.raises(ValueError, match=gone):
-        kc.CanaryMonitor(canary).after_step(donated)
+    for call in ("after_step", "flush", "rearm"):
+        with pytest.raises(ValueError, match=gone):
+            getattr(kc.CanaryMonitor(canary), call)(donated)
     with pytest.raises(ValueError, match=gone):
         canary.before_forward(donated, batch)
 
@@ -427,6 +454,9 @@ def test_sources_are_checked_by_field_name():
          r"kv_cache_sources.swa_v holds at most 4 sources; got 5"),
         (dataclasses.replace(good, full_v=(kc.RealKvSource(kv[0][:2], page_size=PAGE_SIZE),)), ValueError,
          rf"kv_cache_sources.full_v\[0\] holds 8 token slots .*num_slots={NUM_SLOTS}"),
+        (dataclasses.replace(good, full_v=(kc.RealKvSource(jnp.concatenate([kv[0], kv[0]]), page_size=PAGE_SIZE),)),
+         ValueError, rf"kv_cache_sources.full_v\[0\] holds {2 * NUM_SLOTS // PAGE_SIZE} pages x page_size={PAGE_SIZE} "
+                     rf"= {2 * NUM_SLOTS} token slots, but the pool group has num_slots={NUM_SLOTS}"),
         (dataclasses.replace(good, swa_k=()), ValueError,
          r"real_kv_hash_mode=PARTIAL but kv_cache_sources has no swa_k source"),
     ]:  # fmt: skip
@@ -529,10 +559,9 @@ def test_monitor_names_what_it_is_given(caplog):
         (kc.KvCanary(kc.CanaryConfig(ring_capacity=8), canary.pool).init_state(), ValueError,
          r"state's ring holds 8 rows but config.ring_capacity=64"),
     ]:  # fmt: skip
-        with pytest.raises(error, match=pattern):
-            monitor.after_step(bad)
-        with pytest.raises(error, match=pattern):
-            monitor.final_check(bad)
+        for call in (monitor.after_step, monitor.final_check, monitor.flush, monitor.rearm):
+            with pytest.raises(error, match=pattern):
+                call(bad)
     for step in ("3", 3.0, jnp.int32(3)):
         with pytest.raises(TypeError, match=re.escape(f"step must be an int; got step={step!r}")):
             monitor.after_step(state, step=step)
@@ -726,7 +755,13 @@ def test_one_bad_value_gives_one_row_naming_it(padding, kind, data):
                slot=v.slot_idx, position=v.position)  # fmt: skip
     assert got == {key: want[key] for key in got}
     message = kc.format_violation(v, total=1, overflowed=False)
-    assert f"  input: {_input_where(want)} = {want['value']} " in message
+    if want["problem"] == "PAST_TOKENS":  # the value is the rows' token count, named as such (issue 43)
+        e = want["entry"]
+        assert (f"  input: extend_lens[{e}]: the token entries of batch {f'rows 0..{e}' if e else 'row 0'} "
+                f"(sum(extend_lens[:{e + 1}]) = {want['value']}) run past the {TOKENS} token entries of the batch "
+                "(input_ids, positions, out_cache_loc)") in message  # fmt: skip
+    else:
+        assert f"  input: {_input_where(want)} = {want['value']} " in message
 
 
 @pytest.mark.parametrize("padding", PADDINGS)

@@ -34,13 +34,15 @@ def _canary(**overrides) -> KvCanary:
 
 
 def _append(state, *rows):
-    """The state with ``rows`` of (tag, slot, position, bits) appended to the ring, fill-once, as a launch would."""
+    """The state with ``rows`` of (tag, slot, position, bits[, stored token = 7]) appended to the ring, fill-once, as
+    a launch would."""
     log = state.violation_log
     index, capacity = int(log.violation_write_index[0]), log.ring_capacity
     ring = np.asarray(log.violation_ring).copy()
-    for i, (tag, slot, position, bits) in enumerate(rows):
+    for i, (tag, slot, position, bits, *token) in enumerate(rows):
         if index + i < capacity:
-            ring[index + i] = np.array([tag, slot, position, 7, -1, 0, 0, bits], np.int64).view(np.uint32).reshape(8, 2)
+            fields = [tag, slot, position, token[0] if token else 7, -1, 0, 0, bits]
+            ring[index + i] = np.array(fields, np.int64).view(np.uint32).reshape(8, 2)
     log = dataclasses.replace(
         log, violation_ring=jnp.asarray(ring), violation_write_index=jnp.full((1,), index + len(rows), jnp.int32)
     )
@@ -218,9 +220,9 @@ def test_watchdog_catches_a_step_that_drops_the_tail_launches():
 def test_a_slot_already_reported_shows_again_only_as_a_count(caplog, verbose):
     canary = _canary(mode="log", check_lag_steps=0)
     monitor, state = CanaryMonitor(canary, verbose=verbose), canary.init_state()
-    flip = [(tag, 5, 3, FailReason.VERIFY_REAL_KV_HASH) for tag in (T.TAIL_K_FULL, T.TAIL_V_FULL)]
     with caplog.at_level(logging.WARNING):
-        for _ in range(3):  # the slot fails again at every step that reads it
+        for token in range(3):  # the slot fails again at every step that reads it, each time with other contents
+            flip = [(tag, 5, 3, FailReason.VERIFY_REAL_KV_HASH, token) for tag in (T.TAIL_K_FULL, T.TAIL_V_FULL)]
             state = _append(state, *flip)
             monitor.after_step(state, step=100 + monitor.step)
     messages = [r.getMessage() for r in caplog.records]
