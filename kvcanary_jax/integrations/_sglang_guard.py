@@ -258,7 +258,8 @@ class SglangCanary:
         return out
 
     def _check(self) -> None:
-        """The monitor's lagged check; new reports go to ``on_step_end`` first (also when it raises)."""
+        """The monitor's lagged check, then the ring re-armed (the rows read dropped); new reports go to
+        ``on_step_end`` first (also when the check raises)."""
         with self.lock:
             try:
                 state, snapshot = self._snapshot
@@ -266,29 +267,43 @@ class SglangCanary:
                     self.monitor.after_step(self.state, step=self.steps - 1, snapshot=snapshot)
                 else:  # the monitor takes its own (the parallel guard's launches return none)
                     self.monitor.after_step(self.state, step=self.steps - 1)
+                self._rearm()
             finally:
                 self._last_step_end = time.monotonic()
                 self._hand_over()
 
     def _hand_over(self) -> None:
-        """Gives ``on_step_end`` the reports it has not seen (the lock held)."""
-        new, self._reported = self.monitor.observed[self._reported :], len(self.monitor.observed)
-        if self.on_step_end is not None:
-            self.on_step_end(self, new)
+        """Gives ``on_step_end`` the reports it has not seen (the lock held). A guard with an ``on_step_end`` hands
+        them over for good: ``monitor.observed`` is emptied, so a server that runs for days keeps no rows."""
+        new = self.monitor.observed[self._reported :]
+        if self.on_step_end is None:
+            self._reported = len(self.monitor.observed)
+            return
+        self.monitor.observed.clear()
+        self._reported = 0
+        self.on_step_end(self, new)
+
+    def _rearm(self) -> None:
+        """Drops the ring rows the monitor has read, so the ring never stays full (a no-op when none was read)."""
+        with jax.set_mesh(self.runner.mesh):
+            self.state = self.monitor.rearm(self.state)
 
     def flush(self) -> kc.ViolationReport:
-        """Blocking: reads every check still pending (the last ``check_lag_steps`` steps) and hands new reports to
-        ``on_step_end``; for an idle server and at shutdown. Safe from any thread (it waits for a running launch)."""
+        """Blocking: reads every check still pending (the last ``check_lag_steps`` steps), re-arms the ring and hands
+        new reports to ``on_step_end``; for an idle server and at shutdown. Safe from any thread (it waits for a
+        running step)."""
         with self.lock:
             try:
-                return self.monitor.final_check(self.state)
+                report = self.monitor.flush(self.state)
+                self._rearm()
+                return report
             finally:
                 self._hand_over()
 
     @property
     def unread_steps(self) -> int:
         """Steps whose check has not been read yet (they are read ``check_lag_steps`` steps later, or by flush)."""
-        return len(self.monitor._pending)
+        return self.monitor.unchecked_steps
 
     @property
     def idle_s(self) -> float:

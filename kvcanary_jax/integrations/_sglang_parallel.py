@@ -152,6 +152,21 @@ class ParallelSglangCanary(_sglang_guard.SglangCanary):
         sections = (_section(model_worker_batch, r, self.dp) for r in range(self.dp))
         return mapping.sized_capacity(max(map(mapping.verify_need, sections)), self.max_verify)
 
+    def _rearm(self) -> None:
+        """Nothing: the sharded monitor's ring is fill-once (it has no re-arm yet)."""
+
+    def flush(self) -> kc.ViolationReport:
+        """Blocking: every pending check (the sharded monitor's final check)."""
+        with self.lock:
+            try:
+                return self.monitor.final_check(self.state)
+            finally:
+                self._hand_over()
+
+    @property
+    def unread_steps(self) -> int:
+        return len(self.monitor._pending)
+
     def _mark_init_finished(self) -> None:
         self.state = self._typed(self.sharded.mark_init_finished(self.state))
 

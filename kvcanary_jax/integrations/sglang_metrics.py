@@ -6,7 +6,7 @@ below appear there with the engine's own.
 
 Every counter is exported from startup, at 0 until something happens, so an alert tells "no violation" from "no canary":
 
-* ``kvcanary_violations_total``: every violation the monitor read (ring rows, repeats included).
+* ``kvcanary_violations_total``: every violation the canary counted (repeats and rows a full ring lost included).
 * ``kvcanary_violations_by_kind_total{launch_tag, fail_reason}``: the same, by launch and reason.
 * ``kvcanary_protected_tokens_total``: KV slots written or verified (all launch tags), read a few steps late.
 * ``kvcanary_checks_total``: canary launches (writes, verifies, sweeps), read a few steps late.
@@ -39,11 +39,15 @@ class CanaryMetrics:
         self.protected = Counter("kvcanary_protected_tokens", "KV slots the canary wrote or verified")
         self.checks = Counter("kvcanary_checks", "Canary launches (writes, verifies, sweeps)")
         self._seen = (0, 0)
+        self._violations = 0
         self._inflight = None
         self._steps = 0
 
-    def count_violations(self, observed: list) -> None:
-        self.total.inc(len(observed))
+    def count_violations(self, observed: list, *, total: int) -> None:
+        """``total``: the monitor's count over the whole run (repeats and rows a full ring lost included); the
+        breakdown by kind counts the rows read."""
+        self.total.inc(max(0, total - self._violations))
+        self._violations = max(self._violations, total)
         for o in observed:
             v = o.violation
             self.violations.labels(launch_tag=v.tag_label, fail_reason="+".join(v.reason_labels)).inc()

@@ -209,15 +209,14 @@ class _Reporter:
     def __init__(self, settings: ServeSettings, metrics, *, compiled: int):
         self.settings, self.metrics, self.compiled = settings, metrics, compiled
         self.named: set = set()  # (request or prefix, slot, reason) already logged
-        self.rows = self.repeats = 0
+        self.repeats = 0  # rows not logged again (the same request, slot and reason)
 
     def __call__(self, guard, observed: list) -> None:
         if self.metrics is not None:
-            self.metrics.count_violations(observed)
+            self.metrics.count_violations(observed, total=guard.monitor.total_violations)
             self.metrics.after_step(guard.state)
         for o in observed:
             v = o.violation
-            self.rows += 1
             who = guard.rid_of(o)
             where = f"rid={who}" if who is not None else f"prefix={cached_prefix(guard, v)}"
             logger.debug("kvcanary row: %s slot=%s step=%s launch=%s reason=%s position=%s", where, v.slot_idx,
@@ -238,8 +237,10 @@ class _Reporter:
         protected, checks = (sglang_metrics.u64_total(x) for x in (d.slot_run_counters, d.kernel_run_counters))
         grown = {k: v - self.compiled[k] for k, v in guard.compiled_programs().items() if v > self.compiled[k]}
         compiles = f"{sum(grown.values())}" + (f" ({', '.join(map(str, grown.items()))})" if grown else "")
-        return (f"kvcanary summary: violations={self.rows} incidents={len(guard.monitor.incidents.incidents)} "
-                f"repeats_folded={self.repeats} protected_tokens={protected} checks={checks} steps={guard.steps} "
+        monitor = guard.monitor
+        return (f"kvcanary summary: violations={monitor.total_violations} incidents={len(monitor.incidents.incidents)} "
+                f"repeats_folded={monitor.repeats + self.repeats} dropped={monitor.dropped_violations} "
+                f"protected_tokens={protected} checks={checks} steps={guard.steps} "
                 f"compiles_while_serving={compiles}")  # fmt: skip
 
 
