@@ -2,8 +2,8 @@
 and on with ``--canary-real-kv all``, driven by a real streaming async client.
 
 Each config is a server subprocess of its own, started in turn and interleaved over ``--rounds`` (off, on, all, off,
-on, all, ...). Against each, for every concurrency level: a warm-up wave (unmeasured: the engine compiles lazily
-under ``--disable-precompile``), then ``max(waves * c, min_requests)`` streaming ``/v1/completions`` requests, ``c``
+on, all, ...). Against each, for every concurrency level: a warm-up wave of ``c`` requests like the measured ones
+(unmeasured: the engine under ``--disable-precompile``, and the canary, compile new padding buckets lazily), then ``max(waves * c, min_requests)`` streaming ``/v1/completions`` requests, ``c``
 at a time: prompts of exactly ``--prompt-len`` token ids (a share of them a prefix common to a few groups, so the
 radix cache has hits), ``--output-len`` new tokens each, greedy, ``ignore_eos``.
 
@@ -272,13 +272,14 @@ def one_server(args, config: str, rnd: int, engine: list[str], vocab: int, log_d
         rec["start_to_first_answer_s"] = server.wait_first_answer(args.start_timeout)
         progress(f"  {config}: first answer {rec['start_to_first_answer_s']:.1f} s after start")
         # fresh prompts per server, same seed: every config sees the same requests in the same order
+        # the warm-up wave draws from the same generator (same prefixes, fresh suffixes): the same batch shapes,
+        # prefix hits included, so the lazy compiles of both the engine and the canary land there
         prompts = Prompts(args.prompt_len, vocab, args.shared_prefix, args.prefix_groups, args.seed + rnd)
-        warm = Prompts(args.prompt_len, vocab, args.shared_prefix, args.prefix_groups, args.seed + 10_000 + rnd)
         for c in args.concurrency:
             warm_s = None
             if args.warmup:
                 t = time.perf_counter()
-                asyncio.run(run_level(server.url, warm, c, c, min(args.output_len, args.warmup_output_len)))
+                asyncio.run(run_level(server.url, prompts, c, c, args.warmup_output_len or args.output_len))
                 warm_s = time.perf_counter() - t
                 progress(f"  {config} c={c}: warm-up wave {warm_s:.1f} s")
             n = max(args.waves * c, args.min_requests)
@@ -420,7 +421,8 @@ def parse_args(argv=None):
     p.add_argument("--waves", type=int, default=2, help="requests per level = max(waves * c, --min-requests)")
     p.add_argument("--min-requests", type=int, default=4)
     p.add_argument("--no-warmup", dest="warmup", action="store_false", help="skip the unmeasured wave per level")
-    p.add_argument("--warmup-output-len", type=int, default=16, help="output tokens of the warm-up wave's requests")
+    p.add_argument("--warmup-output-len", type=int, default=None,
+                   help="output tokens of the warm-up wave's c requests (default: --output-len)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--start-timeout", type=float, default=1200.0, help="seconds for a server to answer")
     p.add_argument("--time-budget", type=float, default=None,
