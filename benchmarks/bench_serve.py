@@ -102,6 +102,7 @@ class Server:
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
         env.setdefault("PYTHONUNBUFFERED", "1")
+        env |= dict(kv.split("=", 1) for kv in args.server_env)
         if args.compile_cache:  # shared by every server of the run: later servers load what earlier ones compiled
             env |= {"JAX_COMPILATION_CACHE_DIR": args.compile_cache, "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
                     "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "-1"}  # fmt: skip
@@ -429,6 +430,8 @@ def parse_args(argv=None):
                    help="seconds: start no further server once this much has passed (the rest are skipped)")
     p.add_argument("--compile-cache", default=None, metavar="DIR",
                    help="one JAX compilation cache for every server (faster; start times then favour later servers)")
+    p.add_argument("--server-env", action="append", default=[], metavar="KEY=VALUE",
+                   help="an environment variable for the servers (repeatable), e.g. JAX_LOG_COMPILES=1")
     p.add_argument("--python", default=sys.executable, help="the interpreter that runs the server")
     p.add_argument("--out", default=None, help="write the results as JSON here")
     p.add_argument("--log-dir", default=None, help="server logs (default: next to --out, else a temp dir)")
