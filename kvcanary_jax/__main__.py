@@ -68,14 +68,22 @@ def main(argv: list[str] | None = None) -> int:
         "[--canary-sweep-interval N] [--canary-inject KIND[:PROB]]",
     )  # fmt: skip
     serve.add_argument("engine", choices=("sglang-jax",))
-    tiny = commands.add_parser("tiny-model", help="write a tiny random Llama (config, weights, local tokenizer) to DIR")
+    tiny = commands.add_parser(
+        "tiny-model", help="write a tiny random Llama (config, weights, local tokenizer) to DIR, or with --size a "
+        "larger Llama-shaped config for benchmarks",
+    )  # fmt: skip
     tiny.add_argument("dir", help="the model directory to write")
     tiny.add_argument("--seed", type=int, default=0, help="seeds the random weights")
+    tiny.add_argument(
+        "--size", default="tiny", choices=("tiny", "1b", "8b"),
+        help="tiny: a 2-layer Llama with random weights (runs on CPU); 1b / 8b: Llama-shaped configs (8b: "
+        "Llama-3-8B's), config and tokenizer only: serve them with --load-format dummy",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     if args.command == "tiny-model":
         from kvcanary_jax.integrations import tiny_llama
 
-        print(tiny_llama.write_tiny_model(args.dir, seed=args.seed))
+        print(tiny_llama.write_tiny_model(args.dir, seed=args.seed, size=args.size))
         return 0
     if args.command == "demo" and args.engine == "toy" and (args.tp, args.dp) != (1, 1):
         print("--tp / --dp are for --engine sglang-jax; the toy engine's sharded demo takes --devices N")

@@ -1,9 +1,12 @@
-"""A tiny Llama model directory for trials, no hub: ``python -m kvcanary_jax tiny-model DIR``.
+"""A tiny Llama model directory for trials, no hub: ``python -m kvcanary_jax tiny-model DIR [--size tiny|1b|8b]``.
 
 Writes a ``config.json`` (sizes that run on CPU with sglang-jax's native attention: ``head_dim`` 128, below which it
 breaks), random weights as ``model.safetensors`` (dummy weights, ``--load-format dummy``, give an all-zero KV cache
 and all-zero tokens), and a small local byte-level BPE tokenizer (``tokenizer.json``, built with ``tokenizers``), so
 an OpenAI-style ``/v1/completions`` request with a text prompt works.
+
+``--size 1b`` / ``8b`` write Llama-shaped configs for benchmarks (:data:`SIZES`; 8b is Llama-3-8B's shape) and the
+tokenizer, padded to their vocabulary, but no weights (gigabytes): serve them with ``--load-format dummy``.
 """
 
 from __future__ import annotations
@@ -20,6 +23,20 @@ TINY_LLAMA = {
     "max_position_embeddings": 512, "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "hidden_act": "silu",
     "tie_word_embeddings": False, "torch_dtype": "bfloat16", "bos_token_id": 1, "eos_token_id": 2,
 }  # fmt: skip
+_LLAMA3 = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "head_dim": 128, "vocab_size": 128256,
+    "max_position_embeddings": 8192, "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "hidden_act": "silu",
+    "tie_word_embeddings": False, "torch_dtype": "bfloat16", "bos_token_id": 1, "eos_token_id": 2,
+}  # fmt: skip
+SIZES = {
+    "tiny": TINY_LLAMA,
+    # a 1B-class Llama (Llama-3.2-1B's depth and width, head_dim 128 as the native attention needs): ~1.5 B parameters
+    "1b": dict(_LLAMA3, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=16,
+               num_key_value_heads=8),
+    # Llama-3-8B's shape
+    "8b": dict(_LLAMA3, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+               num_key_value_heads=8),
+}  # fmt: skip
 _SPECIAL = ["<unk>", "<s>", "</s>"]  # ids 0, 1, 2: the config's bos / eos
 _CORPUS = (
     "The quick brown fox jumps over the lazy dog. A KV cache holds the keys and values of every token a request has "
@@ -29,16 +46,21 @@ _CORPUS = (
 )
 
 
-def write_config(directory: str | os.PathLike, *, kv_heads: int = 1) -> pathlib.Path:
-    """Writes the tiny Llama's ``config.json`` into ``directory`` (made if missing); returns the directory.
+def write_config(directory: str | os.PathLike, *, kv_heads: int | None = None, size: str = "tiny") -> pathlib.Path:
+    """Writes the Llama's ``config.json`` (:data:`SIZES`) into ``directory`` (made if missing); returns the directory.
 
-    ``kv_heads``: its KV heads (sglang-jax's tensor parallelism splits them: at least one per device).
+    ``kv_heads``: its KV heads (sglang-jax's tensor parallelism splits them: at least one per device); default: the
+    size's own (1 for ``tiny``).
     """
-    if not isinstance(kv_heads, int) or not 1 <= kv_heads <= TINY_LLAMA["num_attention_heads"]:
-        raise ValueError(f"kv_heads must be an int in [1, {TINY_LLAMA['num_attention_heads']}]; got {kv_heads=}")
+    if size not in SIZES:
+        raise ValueError(f"size must be one of {', '.join(SIZES)}; got {size!r}")
+    config = SIZES[size]
+    kv_heads = config["num_key_value_heads"] if kv_heads is None else kv_heads
+    if not isinstance(kv_heads, int) or not 1 <= kv_heads <= config["num_attention_heads"]:
+        raise ValueError(f"kv_heads must be an int in [1, {config['num_attention_heads']}]; got {kv_heads=}")
     path = pathlib.Path(directory)
     path.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text(json.dumps(dict(TINY_LLAMA, num_key_value_heads=kv_heads), indent=1))
+    (path / "config.json").write_text(json.dumps(dict(config, num_key_value_heads=kv_heads), indent=1))
     return path
 
 
@@ -62,7 +84,7 @@ def _weights(seed: int, scale: float = 0.05) -> dict[str, np.ndarray]:
     return out
 
 
-def _write_tokenizer(path: pathlib.Path) -> None:
+def _write_tokenizer(path: pathlib.Path, config: dict = TINY_LLAMA) -> None:
     """A byte-level BPE with the model's vocabulary size, trained on a built-in paragraph."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
@@ -70,23 +92,25 @@ def _write_tokenizer(path: pathlib.Path) -> None:
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=TINY_LLAMA["vocab_size"], special_tokens=_SPECIAL,
+        vocab_size=min(config["vocab_size"], TINY_LLAMA["vocab_size"]), special_tokens=_SPECIAL,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
     )  # fmt: skip
     tok.train_from_iterator([_CORPUS] * 4, trainer)
     # every id the model can sample decodes to something: pad the vocabulary to the model's
-    tok.add_tokens([f"<x{i}>" for i in range(TINY_LLAMA["vocab_size"] - tok.get_vocab_size())])
+    tok.add_tokens([f"<x{i}>" for i in range(config["vocab_size"] - tok.get_vocab_size())])
     tok.save(str(path / "tokenizer.json"))
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>",
-              "unk_token": "<unk>", "model_max_length": TINY_LLAMA["max_position_embeddings"]}  # fmt: skip
+              "unk_token": "<unk>", "model_max_length": config["max_position_embeddings"]}  # fmt: skip
     (path / "tokenizer_config.json").write_text(json.dumps(config, indent=1))
 
 
-def write_tiny_model(directory: str | os.PathLike, *, seed: int = 0) -> str:
-    """Writes the config, random weights and tokenizer into ``directory``; returns its path."""
-    from safetensors.numpy import save_file
+def write_tiny_model(directory: str | os.PathLike, *, seed: int = 0, size: str = "tiny") -> str:
+    """Writes the config, random weights (``tiny`` only: larger sizes are served with ``--load-format dummy``) and
+    tokenizer into ``directory``; returns its path."""
+    path = write_config(directory, size=size)
+    if size == "tiny":
+        from safetensors.numpy import save_file
 
-    path = write_config(directory)
-    save_file(_weights(seed), str(path / "model.safetensors"))
-    _write_tokenizer(path)
+        save_file(_weights(seed), str(path / "model.safetensors"))
+    _write_tokenizer(path, SIZES[size])
     return str(path)

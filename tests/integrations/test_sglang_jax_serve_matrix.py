@@ -27,8 +27,8 @@ from tests.integrations.serve_testlib import PREFIXES, Server  # noqa: E402
 
 pytestmark = [pytest.mark.filterwarnings("ignore::DeprecationWarning"), pytest.mark.serve]
 _ENV = {"JAX_DISABLE_MOST_OPTIMIZATIONS": "1"}
-_SMALL = ("--max-running-requests", "4", "--max-total-tokens", "1024", "--chunked-prefill-size", "256",
-          "--disable-precompile", "--precompile-bs-paddings", "2", "4", "--random-seed", "0",
+_SMALL = ("--context-length", "128", "--max-running-requests", "4", "--max-total-tokens", "1024",
+          "--chunked-prefill-size", "256", "--disable-precompile", "--precompile-bs-paddings", "2", "4", "--random-seed", "0",
           "--skip-server-warmup")  # fmt: skip
 # Shared prefixes (radix-cache hits), one prompt repeated (a whole-prompt hit), lengths across a page.
 _PROMPTS = [PREFIXES[0], PREFIXES[0] + " Again", PREFIXES[1], PREFIXES[1] + " and more", PREFIXES[0], "Hi"]
@@ -75,7 +75,8 @@ def test_the_canary_changes_no_token_under_the_overlap_scheduler(model_dir, tmp_
     ids=["no-overlap-chunked-page16", "odd-buckets-page2"],
 )  # fmt: skip
 def test_engine_settings_serve_with_no_violation_and_no_compile(model_dir, tmp_path, engine):
-    base = ("--max-total-tokens", "2048", "--disable-precompile", "--random-seed", "0", "--skip-server-warmup")
+    base = ("--context-length", "128", "--max-total-tokens", "2048", "--disable-precompile", "--random-seed", "0",
+            "--skip-server-warmup")  # fmt: skip
     if "--precompile-bs-paddings" not in engine:
         base += ("--precompile-bs-paddings", "2", "4", "8", "16")
     server = Server(model_dir, tmp_path / "server.log", _ENV, "--canary-mode", "log", engine=(*base, *engine))
