@@ -275,6 +275,8 @@ class _Lifeline:
     def __init__(self, guard, reporter: _Reporter):
         self.guard, self.reporter = guard, reporter
         self._done = threading.Event()
+        self._closing = threading.Lock()  # one shutdown; a second caller waits for it to finish
+        self._exiting = False
 
     def start(self, scheduler) -> None:
         on_idle = scheduler.on_idle
@@ -292,25 +294,30 @@ class _Lifeline:
                 signal.signal(sig, self._on_signal)
 
     def _on_signal(self, signum, frame) -> None:
-        # Not here: the signal may have stopped this thread inside a forward. A thread waits for it, then exits.
-        threading.Thread(target=self._exit, args=(128 + signum,), daemon=True).start()
+        # Not here: the signal may have stopped this thread inside a forward. A thread waits for it, then exits. A
+        # second signal (Ctrl-C reaches every process of the group, then the server asks its children to stop) does
+        # not cut the first one's reading short.
+        if not self._exiting:
+            self._exiting = True
+            threading.Thread(target=self._exit, args=(128 + signum,), daemon=True).start()
 
     def _exit(self, code: int) -> None:
         self.shutdown()
         os._exit(code)
 
     def shutdown(self) -> None:
-        """Reads every pending check and logs the summary line, once."""
-        if self._done.is_set():
-            return
-        self._done.set()
-        try:
-            self.guard.flush()
-        except Exception:
-            logger.exception("kvcanary final read failed")
-        logger.info(self.reporter.summary(self.guard))
-        for handler in logging.getLogger().handlers + logger.handlers:
-            handler.flush()
+        """Reads every pending check and logs the summary line, once (a concurrent caller waits for it)."""
+        with self._closing:
+            if self._done.is_set():
+                return
+            self._done.set()
+            try:
+                self.guard.flush()
+            except Exception:
+                logger.exception("kvcanary final read failed")
+            logger.info(self.reporter.summary(self.guard))
+            for handler in logging.getLogger().handlers + logger.handlers:
+                handler.flush()
 
 
 _LIFELINES: list[_Lifeline] = []  # this process's guards (the server's own with --enable-single-process)
