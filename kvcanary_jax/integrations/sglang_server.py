@@ -239,7 +239,7 @@ class _Reporter:
         compiles = f"{sum(grown.values())}" + (f" ({', '.join(map(str, grown.items()))})" if grown else "")
         monitor = guard.monitor
         return (f"kvcanary summary: violations={monitor.total_violations} incidents={len(monitor.incidents.incidents)} "
-                f"repeats_folded={monitor.repeats + self.repeats} dropped={monitor.dropped_violations} "
+                f"repeats_folded={self.repeats} dropped={monitor.dropped_violations} "
                 f"protected_tokens={protected} checks={checks} steps={guard.steps} "
                 f"compiles_while_serving={compiles}")  # fmt: skip
 
