@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import types
 
 import chex
 import jax
@@ -90,3 +91,50 @@ def test_wrap_without_the_engine_says_what_to_install():
     else:
         with pytest.raises(ImportError, match=r'pip install "kvcanary-jax\[sglang-jax\]"'):
             sglang_jax.wrap(object(), kc.CanaryConfig(sweep_interval=0))
+
+
+def test_plan_sizes_are_a_ladder_of_x4_ending_at_the_bucket_and_hold_every_need():
+    assert sglang_jax.capacity_ladder(8176) == (256, 1024, 4096, 8176)
+    assert sglang_jax.capacity_ladder(100) == (100,)
+    assert sglang_jax.capacity_ladder(1024) == (256, 1024)
+    for need in range(0, 8177, 7):
+        size = sglang_jax.sized_capacity(need, 8176)
+        assert size in sglang_jax.capacity_ladder(8176) and size >= need
+        smaller = [c for c in sglang_jax.capacity_ladder(8176) if c < size]
+        assert all(c < need for c in smaller)  # the smallest that holds it
+
+
+def _batch(**arrays):
+    return types.SimpleNamespace(**{k: np.asarray(v, np.int32) for k, v in arrays.items()})
+
+
+def test_a_smaller_bucket_is_padded_to_the_canary_shapes_as_the_engine_pads():
+    shapes = sglang_jax.Shapes(rows=4, decode_tokens=4, extend_tokens=8, cache_loc=12)
+    decode = _batch(input_ids=[7, 9], positions=[3, 5], out_cache_loc=[11, -1], req_pool_indices=[2, -1],
+                    seq_lens=[4, 0], cache_loc=[1, 2, 3, 11, 0, 0])  # fmt: skip
+    fields = sglang_jax.host_fields(decode, shapes, is_decode=True)
+    assert set(fields) == {"input_ids", "positions", "out_cache_loc", "req_pool_indices", "seq_lens", "cache_loc"}
+    assert fields["input_ids"].tolist() == [7, 9, 0, 0] and fields["out_cache_loc"].tolist() == [11, -1, -1, -1]
+    assert fields["req_pool_indices"].tolist() == [2, -1, -1, -1] and fields["seq_lens"].tolist() == [4, 0, 0, 0]
+    assert fields["cache_loc"].tolist() == [1, 2, 3, 11, 0, 0] + [0] * 6
+    extend = _batch(input_ids=[1] * 6, positions=list(range(6)), out_cache_loc=list(range(1, 7)), req_pool_indices=[0],
+                    seq_lens=[6], cache_loc=list(range(1, 7)), extend_prefix_lens=[0], extend_seq_lens=[6])  # fmt: skip
+    fields = sglang_jax.host_fields(extend, shapes, is_decode=False)
+    assert fields["input_ids"].shape == (8,) and fields["extend_seq_lens"].tolist() == [6, 0, 0, 0]
+    oracle = sglang_jax.padded_oracle({"expected_input_ids": np.array([1] * 6), "token_ids_lens": np.array([6])},
+                                      shapes, is_decode=False)  # fmt: skip
+    assert oracle["expected_input_ids"].tolist() == [1] * 6 + [0, 0] and oracle["token_ids_lens"].tolist() == [6, 0, 0, 0]
+
+
+def test_a_batch_past_the_shapes_sized_at_startup_is_refused_by_name():
+    shapes = sglang_jax.Shapes(rows=2, decode_tokens=2, extend_tokens=4, cache_loc=4)
+    decode = _batch(input_ids=[1, 2, 3], positions=[0, 0, 0], out_cache_loc=[1, 2, 3], req_pool_indices=[0, 1, 2],
+                    seq_lens=[1, 1, 1], cache_loc=[1, 2, 3])  # fmt: skip
+    with pytest.raises(ValueError, match=r"the engine's batch has 3 tokens, more than the largest bucket \(2\)"):
+        sglang_jax.host_fields(decode, shapes, is_decode=True)
+
+
+def test_overlap_placeholders_resolve_through_the_future_map_as_the_engine_resolves_them():
+    future_map = jnp.asarray([0, 41, 42, 43], jnp.int32)
+    ids = jnp.asarray([5, -1, -3, 0, -9], jnp.int32)  # -9: past the map, clipped as the engine clips it
+    assert sglang_jax.resolve_future(ids, future_map).tolist() == [5, 41, 43, 0, 43]
