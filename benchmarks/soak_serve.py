@@ -53,6 +53,7 @@ import tempfile
 import time
 import urllib.request
 
+import httpx
 import openai
 import psutil
 
@@ -168,7 +169,11 @@ class Load:
     def __init__(self, server: Server, args, reference: list[str]):
         self.server, self.args, self.reference = server, args, reference
         self.rng = random.Random(args.seed)
-        self.client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=600)
+        # Idle connections are let go after 2 s: the server (uvicorn) closes them after 5 s, and a request sent on one
+        # it is closing fails as a connection error, the engine never seeing it (the idle pauses are 3-6 s).
+        http = openai.DefaultAsyncHttpxClient(limits=httpx.Limits(max_connections=1000, keepalive_expiry=2))
+        self.client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=600,
+                                         http_client=http)  # fmt: skip
         self.burst = asyncio.Event()
         self.stop = False
         self.in_flight = 0
@@ -207,7 +212,10 @@ class Load:
         except Exception as e:  # noqa: BLE001 - counted and sampled; the soak goes on
             self.c["errors"] += 1
             if len(self.error_samples) < 10:
-                self.error_samples.append(f"{type(e).__name__}: {e}"[:300])
+                cause = f" ({type(e.__cause__).__name__}: {e.__cause__})" if e.__cause__ else ""
+                phase = "burst" if self.burst.is_set() else "after burst"
+                self.error_samples.append(f"t={self.elapsed():.0f} s, {phase}, {chunks} chunks: {type(e).__name__}: "
+                                          f"{e}{cause}"[:400])  # fmt: skip
         finally:
             self.c["tokens"] += chunks
             self.in_flight -= 1
@@ -221,8 +229,6 @@ class Load:
             await self.one(rng)
 
     async def flush(self) -> None:
-        import httpx
-
         async with httpx.AsyncClient(timeout=60) as http:
             r = await http.post(f"{self.server.url}/flush_cache")
         self.c["flush_ok" if r.status_code == 200 else "flush_refused"] += 1
