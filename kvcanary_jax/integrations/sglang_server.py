@@ -210,6 +210,7 @@ class _Reporter:
         self.settings, self.metrics, self.compiled = settings, metrics, compiled
         self.named: set = set()  # (request or prefix, slot, reason) already logged
         self.repeats = 0  # rows not logged again (the same request, slot and reason)
+        self.dropped = 0  # rows a full ring lost, as last reported
 
     def __call__(self, guard, observed: list) -> None:
         if self.metrics is not None:
@@ -228,6 +229,11 @@ class _Reporter:
             self.named.add(key)
             logger.error("kvcanary violation: %s slot=%s step=%s launch=%s reason=%s position=%s", where, v.slot_idx,
                          o.user_step, v.tag_label, "+".join(v.reason_labels), v.position)  # fmt: skip
+        dropped = guard.monitor.dropped_violations
+        if dropped > self.dropped:  # the monitor's own line is at DEBUG here: say it where operators look
+            logger.warning("kvcanary: %d violation(s) had no ring row to read (the ring filled between two reads); "
+                           "%d in all", dropped - self.dropped, dropped)  # fmt: skip
+            self.dropped = dropped
         if observed and self.settings.mode == "raise":
             _stop(self.settings.server_pid)
 
