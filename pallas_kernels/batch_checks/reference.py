@@ -20,7 +20,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import fusion, issues, layout, prefix
+from pallas_kernels import fusion, issues, layout
+from pallas_kernels.prefix import api as prefix
 
 PADDINGS = ("negative", "reserved", "none")
 _INT32_MAX = 2**31 - 1

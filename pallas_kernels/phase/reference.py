@@ -20,8 +20,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_kernels import fusion, hash64, layout, realkv, records, ring
-from pallas_kernels import prefix as prefix_sums
 from pallas_kernels.phase import common
+from pallas_kernels.prefix import api as prefix_sums
 from pallas_kernels.verify import reference as verify_reference
 from pallas_kernels.write import reference as write_reference
 from pallas_kernels.write import store
