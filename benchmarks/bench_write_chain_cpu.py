@@ -22,13 +22,15 @@ def _inputs(batch: int, chunk: int):
     rng = np.random.default_rng(0)
     return dict(
         canary_buf=jnp.zeros((num_tokens + 1, 4, 2), jnp.uint32),
-        write_offsets=jnp.arange(0, num_tokens + 1, chunk, dtype=jnp.int32),
-        seed_slot_indices=jnp.full((batch,), -1, jnp.int32),
-        num_valid_reqs=jnp.array([batch], jnp.int32),
-        input_ids=jnp.asarray(rng.integers(0, 32000, num_tokens), jnp.int32),
-        positions=jnp.tile(jnp.arange(chunk, dtype=jnp.int32), batch),
-        out_cache_loc=jnp.arange(1, num_tokens + 1, dtype=jnp.int32),
-        enable_chain_position_assert=jnp.ones((1,), jnp.int32),
+        launch=reference.Launch(
+            write_offsets=jnp.arange(0, num_tokens + 1, chunk, dtype=jnp.int32),
+            seed_slot_indices=jnp.full((batch,), -1, jnp.int32),
+            num_valid_reqs=jnp.array([batch], jnp.int32),
+            input_ids=jnp.asarray(rng.integers(0, 32000, num_tokens), jnp.int32),
+            positions=jnp.tile(jnp.arange(chunk, dtype=jnp.int32), batch),
+            out_cache_loc=jnp.arange(1, num_tokens + 1, dtype=jnp.int32),
+            enable_chain_position_assert=jnp.ones((1,), jnp.int32),
+        ),
     )
 
 

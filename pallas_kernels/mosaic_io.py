@@ -327,3 +327,50 @@ def kv_scratch(rows: int, views: Sequence[jax.Array], windows: Sequence[KvWindow
     """VMEM scratch of the KV gather: one window buffer per source, then one transposed u32 buffer per source."""
     gathered = [pltpu.VMEM((rows, LANES, w.elements), v.dtype) for v, w in zip(views, windows, strict=True)]
     return gathered + [pltpu.VMEM((rows, w.elements, LANES), jnp.uint32) for w in windows]
+
+
+# A ref the kernel reaches by DMA only: left in HBM, never blocked into VMEM.
+HBM = pl.BlockSpec(memory_space=pl.ANY)
+
+
+def gather_grid_spec(
+    *,
+    rows: int,
+    num_blocks: int,
+    depth: int,
+    num_buffers: int,
+    record_parts: int,
+    out_specs,
+    views: Sequence[Sequence[jax.Array]],
+    specs: Sequence[Sequence[realkv.RealKvSource]],
+    mode: int,
+) -> pltpu.PrefetchScalarGridSpec:
+    """The grid spec of a kernel that DMA-gathers records and KV windows for blocks of ``rows * 128`` entries.
+
+    Args:
+      rows: sublane rows per grid step.
+      num_blocks: grid steps.
+      depth: operands of the ``[depth, num_blocks * rows, 128]`` stack (:func:`stacked_block`), the first input
+        after the scalar-prefetched slot ids (SMEM).
+      num_buffers: canary buffers left in HBM (:data:`HBM`), in or out; with every KV view, the inputs after the
+        stack.
+      record_parts: records per entry in the record scratch ``u32[rows, 128, record_parts, 4, 2]``.
+      out_specs: the kernel's out specs.
+      views, specs: each buffer's KV views (:func:`kv_view`) and their source specs; ``mode`` the real-KV mode.
+
+    Returns:
+      The spec: scratch is the records, then :func:`kv_scratch`, then DMA semaphores (records, one per source).
+    """
+    flat_views = [v for half in views for v in half]
+    windows = [kv_window(s, mode) for half in specs for s in half]
+    return pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=1,
+        grid=(num_blocks,),
+        in_specs=[stacked_block(depth, rows)] + [HBM] * (num_buffers + len(flat_views)),
+        out_specs=out_specs,
+        scratch_shapes=[
+            pltpu.VMEM((rows, LANES, record_parts, 4, 2), jnp.uint32),
+            *kv_scratch(rows, flat_views, windows),
+            pltpu.SemaphoreType.DMA((1 + len(flat_views),)),
+        ],
+    )

@@ -10,7 +10,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import checks, mesh, prefix
+from pallas_kernels import checks, mesh
+from pallas_kernels.prefix import api as prefix
 
 
 @jax.tree_util.register_dataclass

@@ -23,7 +23,6 @@ Usage inside the user's step (donate the KV cache and the canary state)::
 from __future__ import annotations
 
 import dataclasses
-import zlib
 
 import jax.numpy as jnp
 import numpy as np
@@ -76,16 +75,11 @@ class KvCanary:
         """What a state's records mean: the pool and the config fields the launches read (not the host's mode,
         periods or backend, nor the pool's verify capacities, a per-forward sizing: any canary of the same records
         may differ in those)."""
-        c, pool = self.config, self.pool
-        swa = None if pool.swa is None else dataclasses.replace(pool.swa, verify_capacity=None)
-        pool = dataclasses.replace(pool, verify_capacity=None, swa=swa)
-        fields = (pool, c.ring_capacity, c.real_kv_hash_mode, c.enable_write_input_assert,
-                  c.enable_verify_token_assert)  # fmt: skip
-        return zlib.crc32(repr(fields).encode())
+        return _checks.fingerprint(self.config, self.pool)
 
     @property
     def halves(self) -> tuple[Half, ...]:
-        return (Half.K, Half.V) if self.pool.with_v else (Half.K,)
+        return _pool.halves(self.pool)
 
     def launch_tags(self, phases: tuple[Phase | str, ...] = tuple(Phase)) -> tuple[CanaryLaunchTag, ...]:
         """Tags this canary launches in ``phases`` (SWEEP only when ``sweep_interval > 0``); empty when off.
@@ -172,7 +166,7 @@ class KvCanary:
 
     def mark_init_finished(self, state: CanaryState) -> CanaryState:
         """Turns on the write-time chain-position assert after warm-up; a device value, so nothing retraces."""
-        _checks.check_state(self, state)
+        _checks.check_state(self.config, self.pool, state)
         device = dataclasses.replace(state.device, enable_chain_position_assert=jnp.ones((1,), jnp.int32))
         return dataclasses.replace(state, device=device)
 
@@ -211,11 +205,11 @@ class KvCanary:
         """
         if not self.enabled:
             return state
-        batch = _checks.checked_batch(self, state, batch)
-        rows = _step.rows(self, state, batch)
-        state = _step.update_expected_tokens(self, state, batch, rows)
+        batch = _checks.checked_batch(self.config, self.pool, state, batch)
+        rows = _step.rows(self.config, self.pool, state, batch)
+        state = _step.update_expected_tokens(self.config, state, batch, rows)
         for g in self.groups:
-            state = _step.forward_phase(self, state, batch, rows, g, Phase.HEAD, _pool.KvSources())
+            state = _step.forward_phase(self.config, self.pool, state, batch, rows, g, Phase.HEAD, _pool.KvSources())
         return state
 
     @mesh.entry_point("state", "batch")  # KV sources are read in place, never resharded
@@ -232,11 +226,12 @@ class KvCanary:
         """
         if not self.enabled:
             return state
-        batch = _checks.checked_batch(self, state, batch)
-        _checks.check_sources(self, kv_cache_sources)
-        rows = _step.rows(self, state, batch)  # the HEAD's, recomputed: in one jit XLA computes it once
+        batch = _checks.checked_batch(self.config, self.pool, state, batch)
+        _checks.check_sources(self.config, self.pool, kv_cache_sources)
+        # The HEAD's rows, recomputed: in one jit XLA computes them once.
+        rows = _step.rows(self.config, self.pool, state, batch)
         for g in self.groups:
-            state = _step.forward_phase(self, state, batch, rows, g, Phase.TAIL, kv_cache_sources)
+            state = _step.forward_phase(self.config, self.pool, state, batch, rows, g, Phase.TAIL, kv_cache_sources)
         return state
 
     def sweep_plan(
@@ -283,8 +278,8 @@ class KvCanary:
         """
         if not self.enabled:
             return state
-        _checks.check_state(self, state)
-        _checks.check_sources(self, kv_cache_sources)
+        _checks.check_state(self.config, self.pool, state)
+        _checks.check_sources(self.config, self.pool, kv_cache_sources)
         if not isinstance(plan, _sweep.SweepPlan):
             raise TypeError(f"plan must be a SweepPlan (see KvCanary.sweep_plan); got {type(plan).__name__}")
         device = state.device
@@ -318,7 +313,7 @@ class KvCanary:
           TypeError, ValueError: for a bad entry, named (see :func:`kvcanary_jax.runtime._adopt.pack`).
           NotImplementedError: the pool has an SWA group (its records are not adopted).
         """
-        _checks.check_no_swa(self, "adopt_plan")
+        _checks.check_no_swa(self.pool, "adopt_plan")
         return _adopt.pack(entries, self.pool.num_slots, capacity)
 
     @mesh.entry_point("state", "plan")
@@ -335,9 +330,9 @@ class KvCanary:
         """
         if not self.enabled:
             return state
-        _checks.check_no_swa(self, "adopt")
-        _checks.check_state(self, state)
-        _checks.check_sources(self, kv_cache_sources)
+        _checks.check_no_swa(self.pool, "adopt")
+        _checks.check_state(self.config, self.pool, state)
+        _checks.check_sources(self.config, self.pool, kv_cache_sources)
         if not isinstance(plan, _adopt.AdoptPlan):
             raise TypeError(f"plan must be an AdoptPlan (see KvCanary.adopt_plan); got {type(plan).__name__}")
         plan.check()

@@ -7,19 +7,17 @@ the step (:mod:`kvcanary_jax.runtime._inputs`).
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
+import zlib
 
 import jax
 import jax.numpy as jnp
 
+from kvcanary_jax.core._config import CanaryConfig
 from kvcanary_jax.core._constants import Half, Phase, RealKvHashMode
 from kvcanary_jax.runtime import _pool
 from kvcanary_jax.runtime._batch import CanaryBatch, CanaryState
 from pallas_kernels import checks, realkv
 from pallas_kernels.phase import api as phase_api
-
-if TYPE_CHECKING:
-    from kvcanary_jax.runtime._canary import KvCanary
 
 _REQUIRED_FIELDS = (
     "req_pool_indices", "prefix_lens", "extend_lens", "req_to_token", "input_ids", "positions", "out_cache_loc",
@@ -48,32 +46,42 @@ DONATED_STATE = (
 )
 
 
-def check_no_swa(canary: KvCanary, op: str) -> None:
-    if canary.pool.swa is not None:
+def fingerprint(config: CanaryConfig, pool: _pool.CanaryPool) -> int:
+    """What a state's records mean: the pool and the config fields the launches read (not the host's mode,
+    periods or backend, nor the pool's verify capacities, a per-forward sizing: any canary of the same records
+    may differ in those)."""
+    swa = None if pool.swa is None else dataclasses.replace(pool.swa, verify_capacity=None)
+    pool = dataclasses.replace(pool, verify_capacity=None, swa=swa)
+    fields = (pool, config.ring_capacity, config.real_kv_hash_mode, config.enable_write_input_assert,
+              config.enable_verify_token_assert)  # fmt: skip
+    return zlib.crc32(repr(fields).encode())
+
+
+def check_no_swa(pool: _pool.CanaryPool, op: str) -> None:
+    if pool.swa is not None:
         raise NotImplementedError(f"{op} covers the FULL pool only; this pool has an SWA group (CanaryPool.swa)")
 
 
-def check_state(canary: KvCanary, state) -> None:
-    """``state`` is shaped as this canary's ``init_state()`` (a state of another canary reads out of range)."""
+def check_state(config: CanaryConfig, pool: _pool.CanaryPool, state) -> None:
+    """``state`` is shaped as the ``init_state()`` of the canary of ``config`` and ``pool`` (a state of another
+    canary reads out of range)."""
     if not isinstance(state, CanaryState):
         raise TypeError(f"state must be a CanaryState (from KvCanary.init_state); got {type(state).__name__}")
-    if not canary.enabled:
+    if not config.enabled:
         return
     hint = "it was allocated by another canary; use this canary's init_state()"
     check_not_donated(state)
     capacity = state.device.violation_log.ring_capacity
-    if capacity != canary.config.ring_capacity:
+    if capacity != config.ring_capacity:
+        raise ValueError(f"state's ring holds {capacity} rows but config.ring_capacity={config.ring_capacity}: {hint}")
+    tokens = state.device.req_to_verify_expected_tokens
+    want_pool = (pool.max_reqs, pool.max_context_len) if config.enable_verify_token_assert else None
+    if (None if tokens is None else tuple(tokens.shape)) != want_pool:
         raise ValueError(
-            f"state's ring holds {capacity} rows but config.ring_capacity={canary.config.ring_capacity}: {hint}"
+            f"state's expected-token pool is {None if tokens is None else tuple(tokens.shape)}, but this canary "
+            f"needs {want_pool} (config.enable_verify_token_assert={config.enable_verify_token_assert}): {hint}"
         )
-    pool = state.device.req_to_verify_expected_tokens
-    want_pool = (canary.pool.max_reqs, canary.pool.max_context_len) if canary.config.enable_verify_token_assert else None
-    if (None if pool is None else tuple(pool.shape)) != want_pool:
-        raise ValueError(
-            f"state's expected-token pool is {None if pool is None else tuple(pool.shape)}, but this canary "
-            f"needs {want_pool} (config.enable_verify_token_assert={canary.config.enable_verify_token_assert}): {hint}"
-        )
-    for g in canary.groups:
+    for g in pool.groups:
         buffers = state.buffers(g)
         if buffers is None:
             raise ValueError(f"state has no {g.name.upper()} buffers (state.{g.name} is None): {hint}")
@@ -81,26 +89,27 @@ def check_state(canary: KvCanary, state) -> None:
             for half in Half:
                 buf = buffers.buffer(phase, half)
                 name = f"state.{g.name}.{_pool.GroupBuffers.field_name(phase, half)}"
-                if half in canary.halves:
+                if half in _pool.halves(pool):
                     checks.array(name, buf, dtype=jnp.uint32, shape=(g.num_slots, 4, 2))
                 elif buf is not None:
                     raise ValueError(f"{name} is set but CanaryPool.with_v is False: {hint}")
-    if state.fingerprint is not None and state.fingerprint != canary.fingerprint:
+    want = fingerprint(config, pool)
+    if state.fingerprint is not None and state.fingerprint != want:
         raise ValueError(
             f"state was allocated by a canary of another config or pool (fingerprint {state.fingerprint:#010x}, "
-            f"this canary's {canary.fingerprint:#010x}): its records mean something else here; use this canary's "
+            f"this canary's {want:#010x}): its records mean something else here; use this canary's "
             "init_state()"
         )
 
 
-def checked_batch(canary: KvCanary, state, batch) -> CanaryBatch:
-    """Checks the batch against the canary; returns it with every field a jax array.
+def checked_batch(config: CanaryConfig, pool: _pool.CanaryPool, state, batch) -> CanaryBatch:
+    """Checks the batch against the canary of ``config`` and ``pool``; returns it with every field a jax array.
 
     Shapes, dtypes and presence are static, so they are checked here, at trace time, naming the field: what the
     config needs of the batch, here, and its arrays by the phase op's ``check_batch`` (the one set of array checks).
     The values are checked in the step (:mod:`kvcanary_jax.runtime._inputs`).
     """
-    check_state(canary, state)
+    check_state(config, pool, state)
     if not isinstance(batch, CanaryBatch):
         raise TypeError(f"batch must be a CanaryBatch; got {type(batch).__name__}")
     arrays = {}
@@ -119,7 +128,7 @@ def checked_batch(canary: KvCanary, state, batch) -> CanaryBatch:
         checks.array(f"batch.{name}", arrays[name], dtype=jnp.int32, ndim=1)
         if not arrays[name].shape[0]:  # shapes are static
             raise ValueError(f"batch.{name} needs at least one entry (pad it); got batch.{name}.shape=(0,)")
-    c, swa = canary.config, canary.pool.swa is not None
+    c, swa = config, pool.swa is not None
     if c.enable_write_input_assert and "expected_input_ids" not in arrays:
         raise ValueError(
             "config.enable_write_input_assert compares written tokens with batch.expected_input_ids, but it "
@@ -145,10 +154,10 @@ def checked_batch(canary: KvCanary, state, batch) -> CanaryBatch:
     }
     launched = {name: getattr(batch, name) if on else None for name, on in used.items()}
     phase_api.check_batch(dataclasses.replace(batch, **launched))
-    if swa and batch.full_to_swa_index_mapping.shape[0] < canary.pool.num_slots:
+    if swa and batch.full_to_swa_index_mapping.shape[0] < pool.num_slots:
         raise ValueError(
             f"batch.full_to_swa_index_mapping must map every full-pool slot (i32[num_slots + 1], "
-            f"num_slots={canary.pool.num_slots}); got batch.full_to_swa_index_mapping.shape="
+            f"num_slots={pool.num_slots}); got batch.full_to_swa_index_mapping.shape="
             f"{tuple(batch.full_to_swa_index_mapping.shape)}"
         )
     if c.enable_verify_token_assert:
@@ -163,12 +172,10 @@ def checked_batch(canary: KvCanary, state, batch) -> CanaryBatch:
     return batch
 
 
-def check_sources(canary: KvCanary, sources) -> None:
+def check_sources(config: CanaryConfig, pool: _pool.CanaryPool, sources) -> None:
     if not isinstance(sources, _pool.KvSources):
-        raise TypeError(
-            f"kv_cache_sources must be KvSources (see KvCanary.kv_sources); got {type(sources).__name__}"
-        )
-    launched = {f"{g.name}_{h.name.lower()}": (g, h) for g in canary.groups for h in canary.halves}
+        raise TypeError(f"kv_cache_sources must be KvSources (see KvCanary.kv_sources); got {type(sources).__name__}")
+    launched = {f"{g.name}_{h.name.lower()}": (g, h) for g in pool.groups for h in _pool.halves(pool)}
     for field in dataclasses.fields(_pool.KvSources):
         value, arg = getattr(sources, field.name), f"kv_cache_sources.{field.name}"
         if field.name in launched:
@@ -179,16 +186,16 @@ def check_sources(canary: KvCanary, sources) -> None:
         elif value:
             raise ValueError(
                 f"{arg} holds sources, but no launch of this canary reads them (CanaryPool.swa="
-                f"{canary.pool.swa!r}, with_v={canary.pool.with_v})"
+                f"{pool.swa!r}, with_v={pool.with_v})"
             )
-    if canary.config.real_kv_hash_mode == RealKvHashMode.NONE:
+    if config.real_kv_hash_mode == RealKvHashMode.NONE:
         return
-    for g in canary.groups:
-        for half in canary.halves:
+    for g in pool.groups:
+        for half in _pool.halves(pool):
             if not sources.get(g, half):
                 name = f"{g.name}_{half.name.lower()}"
                 raise ValueError(
-                    f"real_kv_hash_mode={canary.config.real_kv_hash_mode.name} but kv_cache_sources has no "
+                    f"real_kv_hash_mode={config.real_kv_hash_mode.name} but kv_cache_sources has no "
                     f"{name} source; pass kv_sources({name}=<layer-0 {half.name} array of the "
                     f"{g.name.upper()} pool>), or set CanaryConfig(real_kv_hash_mode='none') to check chains only"
                 )

@@ -119,6 +119,11 @@ class CanaryPool:
         return (full, swa)
 
 
+def halves(pool: CanaryPool) -> tuple[Half, ...]:
+    """The halves the pool's launches cover: K, and V when ``pool.with_v``."""
+    return (Half.K, Half.V) if pool.with_v else (Half.K,)
+
+
 @dataclasses.dataclass(frozen=True)
 class Group:
     """One buffer group as the runner uses it (derived from :class:`CanaryPool`)."""

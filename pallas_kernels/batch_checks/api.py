@@ -3,6 +3,8 @@ backend."""
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 
@@ -13,6 +15,16 @@ from pallas_kernels.batch_checks import pallas_triton, reference
 Checked = reference.Checked
 PADDINGS = reference.PADDINGS
 _INT32_LIMIT = 2**31
+
+
+class Static(NamedTuple):
+    """:func:`check`'s static arguments of the FULL group, one value (its docstring says what each means)."""
+
+    padding: str
+    table_rows: int
+    context_len: int
+    num_slots: int
+    token_ids_width: int | None = None
 
 
 def check(
@@ -54,25 +66,14 @@ def check(
     Raises:
       ValueError, TypeError: for a wrong shape, dtype or static argument, naming it.
     """
-    static = validate(
-        req_pool_indices,
-        prefix_lens,
-        extend_lens,
-        out_cache_loc,
-        token_ids_lens,
-        padding=padding,
-        table_rows=table_rows,
-        context_len=context_len,
-        num_slots=num_slots,
-        token_ids_width=token_ids_width,
-    )
+    arrays = (req_pool_indices, prefix_lens, extend_lens, out_cache_loc, token_ids_lens)
+    static = validate(arrays, Static(padding, table_rows, context_len, num_slots, token_ids_width))
     lut = full_to_swa_index_mapping
     if (lut is None) != (swa_num_slots is None):
         raise ValueError("full_to_swa_index_mapping and swa_num_slots check an SWA group's slots: give both, or neither")
     if lut is not None:
         checks.array("full_to_swa_index_mapping", lut, dtype=jnp.int32, ndim=1)
         swa_num_slots = checks.positive_int("swa_num_slots", swa_num_slots)
-    arrays = (req_pool_indices, prefix_lens, extend_lens, out_cache_loc, token_ids_lens)
 
     def xla(*arrays):
         return reference.check(*arrays, **static)
@@ -97,21 +98,17 @@ def check(
     return checked._replace(swa_issues=swa)
 
 
-def validate(
-    req_pool_indices: jax.Array,
-    prefix_lens: jax.Array,
-    extend_lens: jax.Array,
-    out_cache_loc: jax.Array,
-    token_ids_lens: jax.Array | None = None,
-    *,
-    padding: str,
-    table_rows: int,
-    context_len: int,
-    num_slots: int,
-    token_ids_width: int | None = None,
-) -> dict:
+def validate(arrays: tuple[jax.Array | None, ...], static: Static) -> dict:
     """Checks :func:`check`'s arguments (those of the FULL group), naming the one that is wrong; returns the static
-    ones, normalised, as keywords of ``reference.check``. A fused launch that runs the checks calls it too."""
+    ones, normalised, as keywords of ``reference.check``. A fused launch that runs the checks calls it too.
+
+    Args:
+      arrays: ``(req_pool_indices, prefix_lens, extend_lens, out_cache_loc, token_ids_lens)``, as :func:`check`
+        takes them.
+      static: the static arguments.
+    """
+    req_pool_indices, prefix_lens, extend_lens, out_cache_loc, token_ids_lens = arrays
+    padding, table_rows, context_len, num_slots, token_ids_width = static
     rows = {"req_pool_indices": req_pool_indices, "prefix_lens": prefix_lens, "extend_lens": extend_lens}
     for name, x in rows.items():
         checks.array(name, x, dtype=jnp.int32, ndim=1)

@@ -21,9 +21,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from pallas_kernels import compat, layout
+from pallas_kernels import compat, issues, layout
 from pallas_kernels.batch_checks import reference
-from pallas_kernels.phase import common as phase_common
 
 SCAN_CHUNKS = 8  # row chunks per step of a token program's pass over the spans
 
@@ -293,7 +292,7 @@ def out_shapes(st: Static) -> tuple[jax.ShapeDtypeStruct, ...]:
     num_columns = st.num_rows * (1 if st.token_ids_width is None else 2) + st.num_tokens
     i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
     rows = i32(st.num_rows)
-    return (rows, rows, rows, i32(st.num_tokens), i32(len(phase_common.INPUT_ISSUE_FIELDS), num_columns))
+    return (rows, rows, rows, i32(st.num_tokens), i32(len(issues.INPUT_ISSUE_FIELDS), num_columns))
 
 
 @functools.partial(

@@ -20,8 +20,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import fusion, layout, prefix
-from pallas_kernels.phase import common as phase_common
+from pallas_kernels import fusion, issues, layout
+from pallas_kernels.prefix import api as prefix
 
 PADDINGS = ("negative", "reserved", "none")
 _INT32_MAX = 2**31 - 1
@@ -36,7 +36,7 @@ class Checked(NamedTuple):
         is counted at most ``T + 1`` long (:func:`span_lens`), so the spans' sums stay within int32.
       span_starts: i32[R] each row's first token entry.
       token_rows: i32[T] the row owning each token entry; -1 past every span.
-      issues: i32[8, n] one candidate per column (rows ``phase.common.INPUT_ISSUE_FIELDS``; problem 0: none): each
+      issues: i32[8, n] one candidate per column (rows ``issues.INPUT_ISSUE_FIELDS``; problem 0: none): each
         row's first problem (R columns), then, with ``token_ids_width``, each request's ``token_ids_lens`` (R), then
         each token's new slot (T): the FULL group's candidates, in ring order.
       swa_issues: i32[8, T] the SWA group's candidates (:func:`swa_issues`), or None without an SWA group.
@@ -121,9 +121,9 @@ def lens_issue(lens: jax.Array, active: jax.Array, width: int) -> jax.Array:
 
 
 def token_issue(loc: jax.Array, live: jax.Array, num_slots: int) -> jax.Array:
-    """i32 problem of a request token's new FULL-pool slot (``phase.common.slot_issue``); 0 for a skipped token
+    """i32 problem of a request token's new FULL-pool slot (``issues.slot_issue``); 0 for a skipped token
     (< 0) or one no request owns (not ``live``)."""
-    problem, _ = phase_common.slot_issue(loc, None, None, full_slots=num_slots, group_slots=num_slots)
+    problem, _ = issues.slot_issue(loc, None, None, full_slots=num_slots, group_slots=num_slots)
     return jnp.where(live & (loc >= 0), problem, 0)
 
 
@@ -143,7 +143,7 @@ def issue_fields(problem, field, value, *, limit=-1, slot=-1, position=-1, entry
     at = dict(problem=problem, field=field, value=value, limit=limit, slot=slot, position=position, entry=entry)
     at["request"] = request
     full = lambda x: jnp.broadcast_to(jnp.asarray(x, jnp.int32), problem.shape)  # noqa: E731
-    return tuple(full(at[name]) for name in phase_common.INPUT_ISSUE_FIELDS)
+    return tuple(full(at[name]) for name in issues.INPUT_ISSUE_FIELDS)
 
 
 def _columns(*args, **kwargs) -> jax.Array:
@@ -242,7 +242,7 @@ def swa_issues(
     swa_num_slots: int,
 ) -> jax.Array:
     """i32[8, T]: an SWA group's candidates, one per token: what ``full_to_swa_index_mapping`` makes of the new
-    slots the FULL group accepts, against the SWA pool's ``swa_num_slots`` (``phase.common.slot_issue``; the FULL
+    slots the FULL group accepts, against the SWA pool's ``swa_num_slots`` (``issues.slot_issue``; the FULL
     group reports the others). A request with a bad FULL slot writes nothing, so none of its tokens is checked
     here. The context is the FULL group's (:func:`token_position_and_request`)."""
     token_rows, active = checked.token_rows, checked.active
@@ -252,12 +252,12 @@ def swa_issues(
     position, request = token_position_and_request(
         t, prefix_lens[row_of], checked.span_starts[row_of], req_pool_indices[row_of], live
     )
-    rejected = phase_common.slot_rejected(out_cache_loc, None, None, full_slots=num_slots, group_slots=num_slots)
+    rejected = issues.slot_rejected(out_cache_loc, None, None, full_slots=num_slots, group_slots=num_slots)
     unwritten = segment_any(live & rejected, token_rows, active.shape[0])
     full_loc = jnp.where(live & ~unwritten[row_of], out_cache_loc, -1)
-    problem, swa_loc = phase_common.slot_issue(
+    problem, swa_loc = issues.slot_issue(
         full_loc,
-        *phase_common.lut_reader(full_to_swa_index_mapping),
+        *issues.lut_reader(full_to_swa_index_mapping),
         full_slots=num_slots,
         group_slots=swa_num_slots,
     )

@@ -230,16 +230,10 @@ def _checks_static(batch_checks: BatchChecks | None, batch: Batch, input_issues,
             raise ValueError(f"batch_checks gives the rows' roles: batch.{name} must be None")
     if batch_checks.report and input_issues is not None:
         raise ValueError("batch_checks with report=True places the checks' candidates: input_issues must be None")
-    return batch_checks_api.validate(
-        batch.req_pool_indices,
-        batch.prefix_lens,
-        batch.extend_lens,
-        batch.out_cache_loc,
-        padding=batch_checks.padding,
-        table_rows=batch.req_to_token.shape[0],
-        context_len=batch.req_to_token.shape[1],
-        num_slots=full_slots,
-    )
+    rows = (batch.req_pool_indices, batch.prefix_lens, batch.extend_lens, batch.out_cache_loc, None)
+    table_rows, context_len = batch.req_to_token.shape
+    static = batch_checks_api.Static(batch_checks.padding, table_rows, context_len, full_slots)
+    return batch_checks_api.validate(rows, static)
 
 
 def _with_checks(batch_checks: BatchChecks | None, static: dict | None, batch: Batch, issues):

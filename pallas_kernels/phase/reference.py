@@ -20,8 +20,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_kernels import fusion, hash64, layout, realkv, records, ring
-from pallas_kernels import prefix as prefix_sums
 from pallas_kernels.phase import common
+from pallas_kernels.prefix import api as prefix_sums
 from pallas_kernels.verify import reference as verify_reference
 from pallas_kernels.write import reference as write_reference
 from pallas_kernels.write import store
@@ -299,11 +299,9 @@ def stack_halves(trees):
 def walk_halves(loaded: Loaded, plan: Plan, batch: common.Batch, loc, enable_chain_position_assert):
     """The write chains of every half as one batched walk (``write_reference.walk_chain`` over stacked seeds)."""
     num_reqs = jnp.full((1,), batch.req_pool_indices.shape[0], jnp.int32)
-    walk = jax.vmap(write_reference.walk_chain, in_axes=(0, 0) + (None,) * 7)
+    walk = jax.vmap(write_reference.walk_chain, in_axes=(0, 0, None))
     seed_hash, seed_position = loaded.seeds()
-    return walk(
-        seed_hash,
-        seed_position,
+    launch = write_reference.Launch(
         plan.write_offsets,
         plan.seed_slot_indices,
         num_reqs,
@@ -312,6 +310,7 @@ def walk_halves(loaded: Loaded, plan: Plan, batch: common.Batch, loc, enable_cha
         loc,
         enable_chain_position_assert,
     )
+    return walk(seed_hash, seed_position, launch)
 
 
 class RowSet(NamedTuple):

@@ -124,19 +124,17 @@ def _verify_call(canary_bufs, plan, num_active, views, specs, *, mode, check, ro
     n, block, num_buffers, num_slots = slots.shape[0], rows * LANES, len(canary_bufs), canary_bufs[0].shape[0]
     grid = pl.cdiv(n, block)
     flat_views = [v for half in views for v in half]
-    windows = [mosaic_io.kv_window(s, mode) for half in specs for s in half]
     dense = functools.partial(mosaic_io.lane_dense, num_rows=grid * rows)
-    in_hbm = pl.BlockSpec(memory_space=pl.ANY)
-    grid_spec = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=1,
-        grid=(grid,),
-        in_specs=[mosaic_io.stacked_block(4, rows)] + [in_hbm] * (num_buffers + len(flat_views)),
+    grid_spec = mosaic_io.gather_grid_spec(
+        rows=rows,
+        num_blocks=grid,
+        depth=4,
+        num_buffers=num_buffers,
+        record_parts=2 * num_buffers,  # per buffer: stored, predecessor
         out_specs=mosaic_io.stacked_block(num_buffers, rows),
-        scratch_shapes=[
-            pltpu.VMEM((rows, LANES, 2 * num_buffers, 4, 2), jnp.uint32),  # per buffer: stored, predecessor
-            *mosaic_io.kv_scratch(rows, flat_views, windows),
-            pltpu.SemaphoreType.DMA((1 + len(flat_views),)),
-        ],
+        views=views,
+        specs=specs,
+        mode=mode,
     )
     kernel = functools.partial(_verify_kernel, specs=specs, mode=mode, check_expected_token=check)
     bits = compat.mosaic_call(

@@ -12,19 +12,17 @@ from pallas_kernels import checks, layout, mesh, realkv, records
 from pallas_kernels.write import pallas_mosaic, pallas_triton, reference, store
 
 
-def _xla_write(
-    canary_buf, write_offsets, seed_slot_indices, num_valid_reqs, input_ids, positions, out_cache_loc, flag, sources,
-    *, real_kv_hash_mode,
-):  # fmt: skip
+def _xla_write(canary_buf, launch: reference.Launch, sources, *, real_kv_hash_mode):
     """The pure-jnp chain walk, real-KV fold and deterministic store."""
-    if out_cache_loc.shape[0] == 0 or seed_slot_indices.shape[0] == 0:  # nothing to walk, as in the kernels
+    out_cache_loc = launch.out_cache_loc
+    if out_cache_loc.shape[0] == 0 or launch.seed_slot_indices.shape[0] == 0:  # nothing to walk, as in the kernels
         return canary_buf, reference.empty_chain(out_cache_loc.shape[0])
-    chain = reference.write_chain(
-        canary_buf, write_offsets, seed_slot_indices, num_valid_reqs, input_ids, positions, out_cache_loc, flag
-    )
+    chain = reference.write_chain(canary_buf, launch)
     slots = records.clamp_slots(out_cache_loc, canary_buf.shape[0])
     real_kv = realkv.fold_slots(sources, slots, real_kv_hash_mode)
-    new_buf = store.store(canary_buf, out_cache_loc, input_ids, positions, chain.prev_hash, real_kv, chain.written)
+    new_buf = store.store(
+        canary_buf, out_cache_loc, launch.input_ids, launch.positions, chain.prev_hash, real_kv, chain.written
+    )
     return new_buf, chain
 
 
@@ -70,30 +68,25 @@ def write(
     sources = realkv.validate_sources(real_kv_sources, num_slots=num_slots)
     checks.static_int("real_kv_hash_mode", real_kv_hash_mode, maximum=layout.REAL_KV_ALL + 1)
 
-    def xla(*args):
-        *small, sources = args
+    launch = reference.Launch(
+        write_offsets, seed_slot_indices, num_valid_reqs, input_ids, positions, out_cache_loc,
+        enable_chain_position_assert,
+    )  # fmt: skip
+
+    def xla(canary_buf, launch, sources):
+        small = (canary_buf, launch)
         with mesh.context(small, sources):  # explicit mesh shardings: small inputs replicated, KV read in place
             return _xla_write(*mesh.replicate(small), sources, real_kv_hash_mode=real_kv_hash_mode)
 
-    def triton(*args, interpret):
+    def triton(canary_buf, launch, sources, *, interpret):
         return pallas_triton.write(
-            *args[:-1], real_kv_sources=args[-1], real_kv_hash_mode=real_kv_hash_mode, interpret=interpret
+            canary_buf, *launch, real_kv_sources=sources, real_kv_hash_mode=real_kv_hash_mode, interpret=interpret
         )
 
-    def mosaic(*args, interpret):
+    def mosaic(canary_buf, launch, sources, *, interpret):
         return pallas_mosaic.write(
-            *args[:-1], real_kv_sources=args[-1], real_kv_hash_mode=real_kv_hash_mode, interpret=interpret
+            canary_buf, *launch, real_kv_sources=sources, real_kv_hash_mode=real_kv_hash_mode, interpret=interpret
         )
 
     run = backends.dispatch(backend, xla=xla, triton=triton, mosaic=mosaic)
-    return run(
-        canary_buf,
-        write_offsets,
-        seed_slot_indices,
-        num_valid_reqs,
-        input_ids,
-        positions,
-        out_cache_loc,
-        enable_chain_position_assert,
-        sources,
-    )
+    return run(canary_buf, launch, sources)

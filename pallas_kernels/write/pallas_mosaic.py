@@ -257,19 +257,17 @@ def _store(canary_bufs, entries, views, specs, *, mode, rows, interpret):
     slots = jnp.concatenate([end, jnp.where(flag != 0, loc, -1).astype(jnp.int32)])
     prev = [lax.bitcast_convert_type(p[:, j], jnp.int32) for p in prev_hashes for j in range(2)]
     flat_views = [v for half in views for v in half]
-    windows = [mosaic_io.kv_window(s, mode) for half in specs for s in half]
     dense = functools.partial(mosaic_io.lane_dense, num_rows=grid * rows)
-    in_hbm = pl.BlockSpec(memory_space=pl.ANY)
-    grid_spec = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=1,
-        grid=(grid,),
-        in_specs=[mosaic_io.stacked_block(2 + 2 * num_buffers, rows)] + [in_hbm] * (len(flat_views) + num_buffers),
-        out_specs=[in_hbm] * num_buffers,
-        scratch_shapes=[
-            pltpu.VMEM((rows, LANES, num_buffers, 4, 2), jnp.uint32),
-            *mosaic_io.kv_scratch(rows, flat_views, windows),
-            pltpu.SemaphoreType.DMA((1 + len(flat_views),)),
-        ],
+    grid_spec = mosaic_io.gather_grid_spec(
+        rows=rows,
+        num_blocks=grid,
+        depth=2 + 2 * num_buffers,
+        num_buffers=num_buffers,
+        record_parts=num_buffers,
+        out_specs=[mosaic_io.HBM] * num_buffers,
+        views=views,
+        specs=specs,
+        mode=mode,
     )
     aliases = {1 + 1 + len(flat_views) + b: b for b in range(num_buffers)}  # the canary buffers, updated in place
     return compat.mosaic_call(

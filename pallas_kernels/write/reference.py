@@ -31,6 +31,19 @@ def chain_block() -> int:
 _OUT_FIELDS = 6  # the walk's per-entry words: prev_hash (2), expected_position (2), position_assert_failed, written
 
 
+class Launch(NamedTuple):
+    """A write launch's arrays after the buffer, in ``api.write``'s order: one pytree, so ``jax.vmap`` and the mesh
+    helpers take it whole."""
+
+    write_offsets: jax.Array  # i32[R + 1]: request r's entries are [write_offsets[r], write_offsets[r + 1])
+    seed_slot_indices: jax.Array  # i32[R]: the slot each request's chain continues from (< 0: a new chain)
+    num_valid_reqs: jax.Array  # i32[1]: requests past it walk nothing
+    input_ids: jax.Array  # i32[T]
+    positions: jax.Array  # i32[T]
+    out_cache_loc: jax.Array  # i32[T]: each entry's slot (< 0: skipped)
+    enable_chain_position_assert: jax.Array  # i32[1]
+
+
 class ChainOut(NamedTuple):
     """Per-entry results of the serial walk, indexed like the token arrays (``T`` entries)."""
 
@@ -84,57 +97,27 @@ def position_assert(prev_position: hash64.U64, position: jax.Array, live: jax.Ar
     return expected, live & check & hash64.ne(hash64.from_i32(position), expected)
 
 
-def write_chain(
-    canary_buf: jax.Array,
-    write_offsets: jax.Array,
-    seed_slot_indices: jax.Array,
-    num_valid_reqs: jax.Array,
-    input_ids: jax.Array,
-    positions: jax.Array,
-    out_cache_loc: jax.Array,
-    enable_chain_position_assert: jax.Array,
-) -> ChainOut:
+def write_chain(canary_buf: jax.Array, launch: Launch) -> ChainOut:
     """Walks every request's entries in order, as SGLang's one-thread-per-request write kernel does.
 
     Args:
       canary_buf: u32[num_slots, 4, 2], read for the seeds only (the state before this launch).
-      write_offsets: i32[R + 1]; seed_slot_indices: i32[R]; num_valid_reqs: i32[1].
-      input_ids, positions, out_cache_loc: i32[T].
-      enable_chain_position_assert: i32[1].
+      launch: the launch's :class:`Launch` arrays.
     """
-    seed_record = records.load(canary_buf, seed_slot_indices)
-    return walk_chain(
-        records.record_hash(seed_slot_indices, seed_record),
-        seed_record[1],
-        write_offsets,
-        seed_slot_indices,
-        num_valid_reqs,
-        input_ids,
-        positions,
-        out_cache_loc,
-        enable_chain_position_assert,
-    )
+    seed_record = records.load(canary_buf, launch.seed_slot_indices)
+    return walk_chain(records.record_hash(launch.seed_slot_indices, seed_record), seed_record[1], launch)
 
 
 @jax.jit  # one compiled walk per shape, also for eager (un-jitted) callers: the loop body is a fresh closure
-def walk_chain(
-    seed_hash: hash64.U64,
-    seed_position: hash64.U64,
-    write_offsets: jax.Array,
-    seed_slot_indices: jax.Array,
-    num_valid_reqs: jax.Array,
-    input_ids: jax.Array,
-    positions: jax.Array,
-    out_cache_loc: jax.Array,
-    enable_chain_position_assert: jax.Array,
-) -> ChainOut:
+def walk_chain(seed_hash: hash64.U64, seed_position: hash64.U64, launch: Launch) -> ChainOut:
     """:func:`write_chain` from the seed slots' H(slot) and stored positions (``records.record_hash`` and the
     position field of their records): it reads no buffer, so the caller may hash the seeds with other records,
     and ``jax.vmap`` over stacked seeds walks the K and V halves' chains as one batched loop."""
+    write_offsets, seed_slot_indices, num_valid_reqs, input_ids, positions, out_cache_loc, flag = launch
     num_tokens = out_cache_loc.shape[0]
     start, count = request_spans(write_offsets, num_valid_reqs, num_tokens)
     running_hash, running_pos = seed_hash, seed_position
-    check_position = position_checked(seed_slot_indices, count, enable_chain_position_assert)
+    check_position = position_checked(seed_slot_indices, count, flag)
     block_size = chain_block()
     lanes = jnp.arange(block_size)
     tokens = jnp.stack([out_cache_loc, input_ids, positions], axis=-1)  # one gather per loop step reads all three

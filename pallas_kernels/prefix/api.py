@@ -1,5 +1,5 @@
-"""Inclusive prefix sums written as one ``reduce_window`` (a short integer one as one masked reduction): the same
-lowering on every jax version and platform.
+"""``inclusive_sum``: inclusive prefix sums written as one ``reduce_window`` (a short integer one as one masked
+reduction): the same lowering on every jax version and platform.
 
 ``jnp.cumsum`` lowers to a ``reduce_window`` up to jax 0.11, but jax 0.12 lowers it for CUDA to ``chlo.scan``, whose
 portable form is a while loop; XLA:GPU copies a while loop's predicate to the host every iteration. Spelled as a
@@ -18,7 +18,14 @@ PAIRWISE_MAX_ENTRIES = 32
 
 
 def inclusive_sum(x: jax.Array) -> jax.Array:
-    """``cumsum`` of a 1-D array: ``out[i] = x[0] + ... + x[i]``, in ``x``'s dtype."""
+    """``cumsum`` of a 1-D array, lowered without a loop on every platform.
+
+    Args:
+      x: [n] a 1-D array (any numeric dtype; integer sums wrap as ``cumsum``'s do).
+
+    Returns:
+      [n] ``out[i] = x[0] + ... + x[i]``, in ``x``'s dtype.
+    """
     n = x.shape[0]
     if n == 0:
         return x
