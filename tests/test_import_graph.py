@@ -5,18 +5,11 @@ from __future__ import annotations
 import ast
 import pathlib
 
-import pytest
-
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PACKAGES = ("pallas_kernels", "kvcanary_jax")
 
 # Lead-owned: sglang_jax <-> _sglang_parallel / _sglang_adopt import each other inside functions. Remove this
 # exemption once that circle is broken.
-EXEMPT_CYCLE_PACKAGE = "kvcanary_jax.integrations"
-EXEMPT_REASON = (
-    "known circle in kvcanary_jax.integrations (sglang_jax <-> _sglang_parallel / _sglang_adopt, in-function "
-    "imports), being fixed by the lead; remove EXEMPT_CYCLE_PACKAGE from tests/test_import_graph.py then"
-)
 
 # The layering of the upper package, bottom first: a module may import its own layer and those below it. The package's
 # __init__ is the public face: integrations and demo sit above it and use it; __main__ is on top of all.
@@ -171,13 +164,6 @@ def test_graph_sees_known_edges():
 
 def test_no_cycles():
     cycles = find_cycles(import_graph())
-    cycles = [c for c in cycles if not all(_in(m, EXEMPT_CYCLE_PACKAGE) for m in c)]
-    assert not cycles, "import cycles:\n" + "\n".join(" <-> ".join(c) for c in cycles)
-
-
-@pytest.mark.xfail(strict=False, reason=EXEMPT_REASON)
-def test_no_cycles_in_exempt_package():
-    cycles = [c for c in find_cycles(import_graph()) if all(_in(m, EXEMPT_CYCLE_PACKAGE) for m in c)]
     assert not cycles, "import cycles:\n" + "\n".join(" <-> ".join(c) for c in cycles)
 
 
