@@ -129,7 +129,19 @@ class Drill:
                 i, j = pairs[int(self.rng.integers(len(pairs)))]
                 model_worker_batch.input_ids = np.asarray(testing.swap_tokens(ids, i, j)).astype(ids.dtype)
                 reqs = batch.reqs_info[0].reqs
-                self._injected("token_swap", rid=reqs[i].rid, other=reqs[j].rid, step=guard.enqueued - 1)
+                where = dict(rid=reqs[i].rid, other=reqs[j].rid, step=guard.enqueued - 1)
+                self._injected("token_swap", **where)
+                if ids[i] < 0 and ids[j] < 0:  # the overlap scheduler's placeholders: their tokens may be equal
+                    pending.before_forward.append(lambda g: self._check_swap(g, -int(ids[i]), -int(ids[j]), where))
+
+    @staticmethod
+    def _check_swap(guard, a: int, b: int, where: dict) -> None:
+        """On the forward's thread, where the future-token map holds the tokens the swapped placeholders stand for: a
+        swap of two equal tokens changes nothing, and is said so (no violation can name it)."""
+        first, second = np.asarray(guard.worker.future_token_ids_map[np.array([a, b])]).tolist()
+        if first == second:
+            logger.warning("kvcanary drill token_swap had no effect: %s (both tokens were %d)",
+                           " ".join(f"{k}={v}" for k, v in where.items()), first)  # fmt: skip
 
     @staticmethod
     def _on_forward_thread(guard, actions: list, action) -> None:

@@ -24,7 +24,7 @@ pytest.importorskip("openai")
 from kvcanary_jax.integrations import sglang_server, tiny_llama  # noqa: E402
 from tests.integrations.serve_testlib import Server, total  # noqa: E402
 
-pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+pytestmark = [pytest.mark.filterwarnings("ignore::DeprecationWarning"), pytest.mark.serve]
 _VIOLATION = re.compile(r"kvcanary violation: rid=(\S+) slot=(\d+) step=(\d+) launch=(\S+)")
 
 
@@ -99,6 +99,11 @@ def test_every_token_swap_drill_is_named_at_its_step(model_dir, env, tmp_path, p
     text = server.text()
     assert "kvcanary DRILL ON: token_swap" in text
     injected = re.findall(r"kvcanary drill injected token_swap: rid=(\S+) other=(\S+) step=(\d+)", text)
+    # Under the overlap scheduler the drill swaps two placeholders; where both stood for the same token it changed
+    # nothing, and the drill says so (the forward's thread read them): those are not drills to name.
+    void = set(re.findall(r"kvcanary drill token_swap had no effect: rid=(\S+) other=(\S+) step=(\d+)", text))
+    assert len(void) <= len(injected) // 4, (void, len(injected))  # an exception, not the rule
+    injected = [drill for drill in injected if drill not in void]
     assert len(injected) >= 10, text[-3000:]
     named = [(rid, int(step)) for rid, _, step, _ in _VIOLATION.findall(text)]
     missed = [(a, b, s) for a, b, s in injected
