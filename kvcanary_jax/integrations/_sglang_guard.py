@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import logging
 import math
 import threading
 import time
@@ -31,7 +30,6 @@ from kvcanary_jax.integrations._sglang_mapping import (
 )
 from kvcanary_jax.integrations._sglang_steps import steps_for
 
-logger = logging.getLogger("kvcanary_jax.sglang_jax")
 _MAPPED_MODES = ("EXTEND", "MIXED", "DECODE")
 _KEEP_REQUESTS = 64  # steps whose batch requests are kept for report lookups
 

@@ -206,7 +206,7 @@ class _Reporter:
     at DEBUG (a slot re-reported every step is counted, not logged again), the counters; a raise-mode stop; the
     summary line at shutdown."""
 
-    def __init__(self, settings: ServeSettings, metrics, *, compiled: int):
+    def __init__(self, settings: ServeSettings, metrics, *, compiled: dict[str, int]):
         self.settings, self.metrics, self.compiled = settings, metrics, compiled
         self.named: set = set()  # (request or prefix, slot, reason) already logged
         self.repeats = 0  # rows not logged again (the same request, slot and reason)
