@@ -79,11 +79,16 @@ def main(argv: list[str] | None = None) -> int:
         help="tiny: a 2-layer Llama with random weights (runs on CPU); 1b / 8b: Llama-shaped configs (8b: "
         "Llama-3-8B's), config and tokenizer only: serve them with --load-format dummy",
     )  # fmt: skip
+    tiny.add_argument("--arch", default="llama", help="the model family (tiny, random weights): llama (default), "
+                      "or another of kvcanary_jax.integrations.tiny_llama.ARCHS")  # fmt: skip
     args = parser.parse_args(argv)
     if args.command == "tiny-model":
         from kvcanary_jax.integrations import tiny_llama
 
-        print(tiny_llama.write_tiny_model(args.dir, seed=args.seed, size=args.size))
+        try:
+            print(tiny_llama.write_arch(args.dir, arch=args.arch, seed=args.seed, size=args.size))
+        except ValueError as err:
+            parser.error(str(err))
         return 0
     if args.command == "demo" and args.engine == "toy" and (args.tp, args.dp) != (1, 1):
         print("--tp / --dp are for --engine sglang-jax; the toy engine's sharded demo takes --devices N")

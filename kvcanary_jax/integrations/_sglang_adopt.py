@@ -57,10 +57,9 @@ def adopt_entries(reqs, req_to_token_pool, tree_cache=None) -> kc.AdoptEntries:
     return kc.AdoptEntries.merge(*parts)
 
 
-@functools.partial(jax.jit, static_argnames=("canary",), donate_argnums=(0,))
-def _adopt(state, plan, kv0, *, canary):
-    k, v = mapping.kv_sources(kv0)
-    return canary.adopt(state, plan, canary.kv_sources(full_k=k, full_v=v))
+@functools.partial(jax.jit, static_argnames=("canary", "view"), donate_argnums=(0,))
+def _adopt(state, plan, arrays, *, canary, view):
+    return canary.adopt(state, plan, view.sources(canary, arrays))
 
 
 def adopt(guard, reqs, req_to_token_pool) -> int:
@@ -77,7 +76,6 @@ def adopt(guard, reqs, req_to_token_pool) -> int:
     entries = adopt_entries(reqs, req_to_token_pool, guard.tree_cache)
     capacity = mapping.sized_capacity(len(entries.slots), guard.canary.pool.num_slots)
     plan = guard.canary.adopt_plan(entries, capacity=capacity)
-    runner = guard.runner
-    with jax.set_mesh(runner.mesh):
-        guard.state = _adopt(guard.state, plan, runner.token_to_kv_pool.kv_buffer[0], canary=guard.canary)
+    with jax.set_mesh(guard.runner.mesh):
+        guard.state = _adopt(guard.state, plan, guard.pool_arrays(), canary=guard.canary, view=guard.view)
     return len(entries.slots)

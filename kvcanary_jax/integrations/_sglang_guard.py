@@ -28,10 +28,12 @@ from kvcanary_jax.integrations._sglang_mapping import (
     token_oracle,
     verify_need,
 )
+from kvcanary_jax.integrations._sglang_pools import pool_view
 from kvcanary_jax.integrations._sglang_steps import steps_for
 
 _MAPPED_MODES = ("EXTEND", "MIXED", "DECODE")
 _KEEP_REQUESTS = 64  # steps whose batch requests are kept for report lookups
+
 
 @dataclasses.dataclass
 class Pending:
@@ -64,6 +66,7 @@ class SglangCanary:
       state: the canary state, replicated on the engine's mesh.
       monitor: the :class:`kvcanary_jax.CanaryMonitor` reading it.
       layout: the engine's :class:`Layout`.
+      view: the :class:`PoolView` of the engine's KV pool (which slots each canary group covers, what real KV it reads).
       steps: forwards run so far (the step number reports use).
       enqueued: batches handed to the worker so far (under the overlap scheduler, ahead of ``steps``): the step
         number the next batch's forward will have.
@@ -77,15 +80,15 @@ class SglangCanary:
         self.overlap = self._steps.overlap
         self.worker, self.runner, self.config, self.tree_cache = worker, worker.model_runner, config, tree_cache
         self.model_worker = self._steps.model_worker
-        kv0 = self.runner.token_to_kv_pool.kv_buffer[0]
-        page_size = int(kv0.shape[1])
+        self.view = pool_view(self.runner)
+        page_size = self.view.page_size
         width = int(table_width or self.runner.model_config.context_len)
         self.layout = Layout(page_size=page_size, table_width=-(-width // page_size) * page_size)
         self.shapes = Shapes.of(worker)
         self.max_bs = self.shapes.rows
         self.max_verify = self.shapes.cache_loc  # a forward verifies at most the slots attention reads
         self.lock = threading.RLock()  # held by each step (launches and check), a sweep, a flush
-        self._build(kv0, max_verify=self.max_verify)
+        self._build(max_verify=self.max_verify)
         self._sized: dict[int, kc.KvCanary] = {}  # verify capacity -> the canary with plans of that size
         self.steps = 0
         self.on_enqueue: Callable | None = None
@@ -104,15 +107,13 @@ class SglangCanary:
         self.model_worker.forward_batch_generation = self._generate
         self._steps.install(self)
 
-    def _build(self, kv0: jax.Array, *, max_verify: int) -> None:
+    def _build(self, *, max_verify: int) -> None:
         """The canary (its pool: every slot of the engine's KV pool), its monitor and its state."""
         token_pool = {}
         if self.config.enable_verify_token_assert:
             token_pool = dict(max_reqs=self.max_bs, max_context_len=self.layout.table_width)
         # A forward verifies at most the slots attention reads: the largest cache_loc bucket.
-        pool = kc.CanaryPool(num_slots=int(kv0.shape[0]) * self.layout.page_size, page_size=self.layout.page_size,
-                             verify_capacity=max_verify, **token_pool)  # fmt: skip
-        self.canary = kc.KvCanary(self.config, pool)
+        self.canary = kc.KvCanary(self.config, self.view.canary_pool(verify_capacity=max_verify, **token_pool))
         self.monitor = kc.CanaryMonitor(self.canary)
         self.state = self._on_mesh(self.canary.init_state())
 
@@ -144,7 +145,7 @@ class SglangCanary:
         if entries is None and self.tree_cache is None:
             raise ValueError("sweep needs the engine's RadixCache: wrap(worker, config, tree_cache=...)")
         plan = self.canary.sweep_plan(radix_entries(self.tree_cache) if entries is None else entries)
-        self._run("sweep", plan, self.runner.token_to_kv_pool.kv_buffer[0])
+        self._run("sweep", plan, self.pool_arrays())
 
     def adopt(self, reqs, req_to_token_pool) -> int:
         """Writes the records of the slots the engine cached before the wrap (see :mod:`._sglang_adopt`)."""
@@ -242,10 +243,9 @@ class SglangCanary:
         # array runs a copy program of its own (decode step, host CPU: ~0.37 ms for the four, ~0.06 ms this way).
         fields = self._launch_fields(pending, forward_batch)
         static = dict(layout=self.layout, is_decode=pending.is_decode, capacity=pending.verify_capacity)
-        self._run("head", fields, pending.oracle, **static)
+        self._run("head", fields, pending.oracle, self.pool_arrays(), **static)
         out = self._forward(forward_batch, logits_metadata, *args, **kwargs)
-        kv0 = self.runner.token_to_kv_pool.kv_buffer[0]  # the forward donated the pools: read them afresh
-        self._run("tail", fields, pending.oracle, kv0, **static)
+        self._run("tail", fields, pending.oracle, self.pool_arrays(), **static)  # the forward donated the pools
         if self.steps == 0:  # warm-up over: the write-time chain-position assert turns on
             self._mark_init_finished()
         self._requests[self.steps] = pending.rids
@@ -339,11 +339,16 @@ class SglangCanary:
     def _mark_init_finished(self) -> None:
         self.state = self._on_mesh(self.canary.mark_init_finished(self.state))
 
+    def pool_arrays(self) -> dict[str, jax.Array]:
+        """The engine's KV arrays the launches read, as they stand now (:meth:`PoolView.arrays`)."""
+        return self.view.arrays(self.runner.token_to_kv_pool)
+
     def _run(self, launch: str, *args, capacity: int | None = None, **static) -> None:
         """Runs the ``head``, ``tail`` or ``sweep`` jit on the state, on the engine's mesh, with plans of
         ``capacity`` entries."""
         with self.lock, jax.set_mesh(self.runner.mesh):
-            self.state, snapshot = _LAUNCHES[launch](self.state, *args, canary=self._sized_canary(capacity), **static)
+            canary = self._sized_canary(capacity)
+            self.state, snapshot = _LAUNCHES[launch](self.state, *args, canary=canary, view=self.view, **static)
             self._snapshot = (self.state, snapshot)
 
     def _host_fields(self, model_worker_batch, *, is_decode: bool) -> dict:
@@ -365,23 +370,23 @@ class SglangCanary:
         an all-padding batch: no record is written, no violation can come of it. Returns the programs compiled."""
         before = sum(self.compiled_programs().values())
         scratch = self._on_mesh(self.canary.init_state())
-        kv0 = self.runner.token_to_kv_pool.kv_buffer[0]
+        arrays = self.pool_arrays()
         write, verify = self.config.enable_write_input_assert, self.config.enable_verify_token_assert
         for is_decode in (True, False):
             fields, oracle = self._empty_batch(is_decode, write=write, verify=verify)
             fields.update(self._steps.launch_extras())
             for capacity in capacity_ladder(self.max_verify):
                 canary = self._sized_canary(capacity)
-                static = dict(canary=canary, layout=self.layout, is_decode=is_decode)
+                static = dict(canary=canary, view=self.view, layout=self.layout, is_decode=is_decode)
                 with jax.set_mesh(self.runner.mesh):
-                    scratch, _ = _head(scratch, fields, oracle, **static)
-                    scratch, _ = _tail(scratch, fields, oracle, kv0, **static)
+                    scratch, _ = _head(scratch, fields, oracle, arrays, **static)
+                    scratch, _ = _tail(scratch, fields, oracle, arrays, **static)
         if self.tree_cache is not None and self.config.sweep_interval > 0:
             plan = self.canary.sweep_plan(kc.SweepEntries.empty())
             # after a TAIL (a launch's output) and after the first step's mark_init_finished (the state re-placed)
             for state in (scratch, self._on_mesh(self.canary.init_state())):
                 with jax.set_mesh(self.runner.mesh):
-                    scratch, _ = _sweep(state, plan, kv0, canary=self.canary)
+                    scratch, _ = _sweep(state, plan, arrays, canary=self.canary, view=self.view)
         jax.block_until_ready(self.canary.mark_init_finished(scratch))
         return sum(self.compiled_programs().values()) - before
 

@@ -89,7 +89,9 @@ def page_table(cache_loc: jax.Array, seq_lens: jax.Array, layout: Layout) -> jax
     return jnp.where(col[None, :] < seq_lens[:, None], cache_loc[index], 0).astype(jnp.int32)
 
 
-def canary_batch(fields: dict, layout: Layout, *, is_decode: bool, oracle: dict) -> kc.CanaryBatch:
+def canary_batch(
+    fields: dict, layout: Layout, *, is_decode: bool, oracle: dict, pool_fields: dict | None = None
+) -> kc.CanaryBatch:
     """The engine's ``ForwardBatch`` arrays (``fields``) as a :class:`kvcanary_jax.CanaryBatch`; traced.
 
     Args:
@@ -100,10 +102,13 @@ def canary_batch(fields: dict, layout: Layout, *, is_decode: bool, oracle: dict)
       oracle: ``expected_input_ids`` (i32[T]) and / or ``token_ids`` (i32[max_bs, W]) with ``token_ids_lens``
         (i32[bs]), from :func:`token_oracle`; empty when the token asserts are off. Under the overlap scheduler it
         also holds ``future_map``: a negative expected id ``-k`` means "the token at ``future_map[k]``".
+      pool_fields: the batch fields the engine's KV pool gives (:meth:`PoolView.batch_fields`, e.g. the full->SWA
+        slot table).
     """
     if not jax.sharding.get_abstract_mesh().empty:  # P("data") on the engine's mesh: the mapping works replicated
         fields = {k: jax.sharding.reshard(v, P()) for k, v in fields.items()}
         oracle = {k: jax.sharding.reshard(v, P()) for k, v in oracle.items()}
+        pool_fields = {k: jax.sharding.reshard(v, P()) for k, v in (pool_fields or {}).items()}
     fields, oracle = dict(fields), dict(oracle)
     future_map = fields.pop("future_map", None)
     if future_map is not None:  # the overlap scheduler's placeholders, resolved as the engine resolves them
@@ -128,6 +133,7 @@ def canary_batch(fields: dict, layout: Layout, *, is_decode: bool, oracle: dict)
         positions=fields["positions"].astype(jnp.int32),
         out_cache_loc=fields["out_cache_loc"].astype(jnp.int32),
         **oracle,
+        **(pool_fields or {}),
     )
 
 

@@ -59,7 +59,7 @@ def _spread(tree):
 
 
 @functools.partial(jax.jit, static_argnames=("sharded", "layout", "is_decode"), donate_argnums=(0,))
-def _head(state, fields, oracle, *, sharded, layout, is_decode):
+def _head(state, fields, oracle, arrays, *, sharded, layout, is_decode):
     def head(state, fields, oracle):
         return sharded.before_forward(state, mapping.canary_batch(fields, layout, is_decode=is_decode,
                                                                       oracle=oracle))  # fmt: skip
@@ -69,7 +69,7 @@ def _head(state, fields, oracle, *, sharded, layout, is_decode):
 
 
 @functools.partial(jax.jit, static_argnames=("sharded", "layout", "is_decode"), donate_argnums=(0,))
-def _tail(state, fields, oracle, kv0, *, sharded, layout, is_decode):
+def _tail(state, fields, oracle, arrays, *, sharded, layout, is_decode):
     def tail(state, fields, oracle, kv0):
         k, v = mapping.kv_sources(kv0)  # this device's KV heads of its rank's pages
         batch = mapping.canary_batch(fields, layout, is_decode=is_decode, oracle=oracle)
@@ -77,17 +77,17 @@ def _tail(state, fields, oracle, kv0, *, sharded, layout, is_decode):
 
     specs = (sharded.state_spec, P(_DATA), P(_DATA), _KV_SPEC)
     fn = sharded.shard_map(tail, in_specs=specs, out_specs=sharded.state_spec)
-    return fn(state, _spread(fields), _spread(oracle), kv0)
+    return fn(state, _spread(fields), _spread(oracle), arrays["full"])
 
 
 @functools.partial(jax.jit, static_argnames=("sharded",), donate_argnums=(0,))
-def _sweep(state, plan, kv0, *, sharded):
+def _sweep(state, plan, arrays, *, sharded):
     def sweep(state, plan, kv0):
         k, v = mapping.kv_sources(kv0)
         return sharded.sweep(state, kc.local(plan, P(_DATA)), sharded.canary.kv_sources(full_k=k, full_v=v))
 
     specs = (sharded.state_spec, P(_DATA), _KV_SPEC)
-    return sharded.shard_map(sweep, in_specs=specs, out_specs=sharded.state_spec)(state, _spread(plan), kv0)
+    return sharded.shard_map(sweep, in_specs=specs, out_specs=sharded.state_spec)(state, _spread(plan), arrays["full"])
 
 
 _LAUNCHES = {"head": _head, "tail": _tail, "sweep": _sweep}
@@ -103,7 +103,12 @@ class ParallelSglangCanary(_sglang_guard.SglangCanary):
       dp: the engine's DP ranks.
     """
 
-    def _build(self, kv0: jax.Array, *, max_verify: int) -> None:
+    def _build(self, *, max_verify: int) -> None:
+        if self.view.name != "MHATokenToKVPool":
+            raise NotImplementedError(
+                f"kvcanary's parallel sglang-jax guard maps MHATokenToKVPool only; got {self.view.name}"
+            )
+        kv0 = self.runner.token_to_kv_pool.kv_buffer[0]
         mesh = self.runner.mesh
         self.dp = int(mesh.shape[_DATA])
         if self.max_bs % self.dp or max_verify % self.dp or kv0.shape[0] % self.dp:
@@ -190,7 +195,7 @@ class ParallelSglangCanary(_sglang_guard.SglangCanary):
             entries = [rank_entries(self.tree_cache, r) for r in range(self.dp)]
         plans = [self.canary.sweep_plan(e) for e in entries]
         plan = jax.tree.map(lambda *xs: np.stack(xs), *plans)
-        self._run("sweep", plan, self.runner.token_to_kv_pool.kv_buffer[0])
+        self._run("sweep", plan, self.pool_arrays())
 
     def rid_of(self, observed) -> str | None:
         """The ``rid`` a :class:`kvcanary_jax.DeviceObservedViolation` names (None: no request, or too long ago)."""

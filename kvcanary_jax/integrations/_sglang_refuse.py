@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-import math
-
-import jax
-
 import kvcanary_jax as kc
 from kvcanary_jax.integrations._sglang_guard import SglangCanary
 from kvcanary_jax.integrations._sglang_mapping import is_overlap_client
+from kvcanary_jax.integrations._sglang_pools import pool_view
 
 
 def refuse_warm_engine(worker, tree_cache=None) -> None:
@@ -60,12 +57,9 @@ def check_engine(worker, config) -> None:
         problems.append(f"speculative decoding (speculative_algorithm={algorithm!r})")
     if getattr(model_worker, "_pd_fuse_sample", False):
         problems.append("the fused Pathways forward-and-sample path (it bypasses ModelRunner.forward)")
-    pool = type(runner.token_to_kv_pool).__name__
-    if pool != "MHATokenToKVPool":
-        problems.append(f"the KV pool {pool} (only MHATokenToKVPool's fused K/V layers are mapped; not SWA, MLA or "
-                        "hybrid pools)")  # fmt: skip
+    try:
+        pool_view(runner)
+    except NotImplementedError as err:
+        problems.append(str(err))
     if problems:
         raise NotImplementedError("kvcanary's sglang-jax wrapper does not map " + "; ".join(problems))
-    kv0 = runner.token_to_kv_pool.kv_buffer[0]
-    if kv0.ndim != 5 or kv0.shape[1] != runner.page_size or math.prod(kv0.shape[2:4]) % 2:
-        raise NotImplementedError(f"unexpected KV layer layout {jax.typeof(kv0)} for page_size={runner.page_size}")

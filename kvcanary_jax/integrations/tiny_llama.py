@@ -114,3 +114,22 @@ def write_tiny_model(directory: str | os.PathLike, *, seed: int = 0, size: str =
         save_file(_weights(seed), str(path / "model.safetensors"))
     _write_tokenizer(path, SIZES[size])
     return str(path)
+
+
+def _llama(directory: str | os.PathLike, *, seed: int = 0) -> str:
+    return write_tiny_model(directory, seed=seed)
+
+
+# model families ``tiny-model --arch`` writes (tiny, random weights, the local tokenizer): name -> writer(dir, seed=)
+ARCHS = {"llama": _llama}
+
+
+def write_arch(directory: str | os.PathLike, *, arch: str = "llama", seed: int = 0, size: str = "tiny") -> str:
+    """Writes a tiny random model of family ``arch`` (:data:`ARCHS`), or with ``size`` a larger Llama config."""
+    if arch not in ARCHS:
+        raise ValueError(f"arch must be one of {', '.join(ARCHS)}; got {arch!r}")
+    if size != "tiny":
+        if arch != "llama":
+            raise ValueError(f"--size {size} is a Llama shape; it takes --arch llama, got --arch {arch}")
+        return write_tiny_model(directory, seed=seed, size=size)
+    return ARCHS[arch](directory, seed=seed)

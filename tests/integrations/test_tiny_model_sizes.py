@@ -46,3 +46,14 @@ def test_cli_size_flag_writes_config_and_tokenizer_but_no_weights(tmp_path, caps
     assert cli_main.main(["tiny-model", str(tmp_path / "tiny")]) == 0
     assert _config(tmp_path / "tiny") == tiny_llama.TINY_LLAMA
     assert (tmp_path / "tiny" / "model.safetensors").exists()
+
+
+def test_arch_flag_names_the_families_and_refuses_a_size_outside_llama(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli_main.main(["tiny-model", str(tmp_path / "x"), "--arch", "gpt2"])
+    assert exit_info.value.code == 2
+    assert "arch must be one of llama" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()
+    for arch in set(tiny_llama.ARCHS) - {"llama"}:
+        with pytest.raises(ValueError, match=f"--size 1b is a Llama shape; it takes --arch llama, got --arch {arch}"):
+            tiny_llama.write_arch(tmp_path / arch, arch=arch, size="1b")
