@@ -144,3 +144,22 @@ def test_mla_flip_changes_the_slots_row_only():
     _sglang_pools.flip_layer0_byte(pool, 6, 4)  # page 1, token 2: row 1, lane 0
     flipped = np.argwhere(np.asarray(pool.kv_buffer[0]).view(np.uint16) != 0)
     assert flipped.tolist() == [[1, 1, 0, 0]]
+
+
+def _fake_pool(class_name: str, **attrs):
+    return type(class_name, (), attrs)()  # pool_view goes by the class's name
+
+
+def test_pool_views_map_mla_and_hybrid_pools_and_refuse_the_dsa_indexer_by_name():
+    mla = _fake_pool("MLATokenToKVPool", kv_buffer=[jnp.zeros((5, 2, 2, 256), jnp.bfloat16)], kv_dim=256,
+                     indexer_key_buffer=[])  # fmt: skip
+    hybrid = _fake_pool("HybridLinearKVPool", full_kv_pool=mla)
+    for pool, name in [(mla, "MLATokenToKVPool"), (hybrid, "HybridLinearKVPool(MLATokenToKVPool)")]:
+        view = _sglang_pools.pool_view(type("Runner", (), {"token_to_kv_pool": pool, "page_size": 4})())
+        assert (view.name, view.num_slots, view.page_size) == (name, 20, 4)
+        assert view.canary_pool().with_v is False  # MLA: K only
+        assert view.arrays(pool)["full"] is mla.kv_buffer[0]  # the hybrid pool's inner (full-attention) pool
+    mla.indexer_key_buffer = [jnp.zeros((5, 2, 2, 128), jnp.bfloat16)]
+    runner = type("Runner", (), {"token_to_kv_pool": mla, "page_size": 4})()
+    with pytest.raises(NotImplementedError, match="the DSA indexer key cache of MLATokenToKVPool"):
+        _sglang_pools.pool_view(runner)
