@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from sgl_jax.srt.managers.schedule_batch import Req, ScheduleBatch
 from sgl_jax.srt.managers.tp_worker import ModelWorker
+from sgl_jax.srt.mem_cache.chunk_cache import ChunkCache
 from sgl_jax.srt.mem_cache.common import release_kv_cache
 from sgl_jax.srt.mem_cache.radix_cache import RadixCache
 from sgl_jax.srt.sampling.sampling_params import SamplingParams
@@ -111,8 +112,9 @@ class MiniScheduler:
         self.req_to_token_pool, self.allocator = worker.get_memory_pool()
         self.req_to_token_pool.clear()  # a fresh start on a reused worker
         self.allocator.clear()
-        self.tree_cache = RadixCache(req_to_token_pool=self.req_to_token_pool,
-                                     token_to_kv_pool_allocator=self.allocator, page_size=self.page_size)  # fmt: skip
+        cache = ChunkCache if worker.server_args.disable_radix_cache else RadixCache  # hybrid recurrent: no radix
+        self.tree_cache = cache(req_to_token_pool=self.req_to_token_pool, token_to_kv_pool_allocator=self.allocator,
+                                page_size=self.page_size)  # fmt: skip
         self.paddings = worker.get_precompile_paddings()
         self.pending = list(arrivals if arrivals is not None else workload())
         self.waiting: list[Req] = []

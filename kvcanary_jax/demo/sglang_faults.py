@@ -19,7 +19,7 @@ import numpy as np
 from kvcanary_jax import CanaryConfig, KvCanaryViolationError, testing
 from kvcanary_jax.demo import cli, sglang_engine
 from kvcanary_jax.demo.faults import RunResult
-from kvcanary_jax.integrations import _sglang_parallel, sglang_jax
+from kvcanary_jax.integrations import _sglang_parallel, _sglang_pools, sglang_jax
 from kvcanary_jax.testing import FaultKind
 
 FAULTS = (FaultKind.LIVE_KV, FaultKind.REQ_TO_TOKEN, FaultKind.TOKEN_SWAP, FaultKind.IDLE_CACHE_KV)
@@ -74,9 +74,9 @@ def _flip(runner, slot: int, rank: int = 0) -> None:
     """Byte 0 of DP rank ``rank``'s ``slot`` in layer 0's fused K/V array: K head 0's first byte (on the rank's first
     TP device). Keeps its sharding."""
     pool = runner.token_to_kv_pool
-    kv0 = pool.kv_buffer[0]
-    rank_slots = kv0.shape[0] // runner.dp_size * runner.page_size  # each rank's pages, its padding page first
-    pool.kv_buffer[0] = testing.flip_kv_byte(kv0, np.int32(rank * rank_slots + slot), page_size=runner.page_size)
+    pages = getattr(pool, "full_kv_pool", pool).kv_buffer[0].shape[0]
+    rank_slots = pages // runner.dp_size * runner.page_size  # each rank's pages, its padding page first
+    _sglang_pools.flip_layer0_byte(pool, rank * rank_slots + slot, runner.page_size)
 
 
 class _Injector:

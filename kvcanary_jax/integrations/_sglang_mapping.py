@@ -70,6 +70,24 @@ def kv_sources(kv0: jax.Array) -> tuple[kc.RealKvSource, kc.RealKvSource]:
     return kc.RealKvSource(kv0, byte_offset=0, **common), kc.RealKvSource(kv0, byte_offset=head_bytes, **common)
 
 
+def mla_source(kv0: jax.Array, page_size: int) -> kc.RealKvSource:
+    """Layer 0's latent rows of an ``MLATokenToKVPool`` as one real-KV source (a view, no copy).
+
+    ``kv0`` is ``[pages, align(page_size, packing) // packing, packing, kv_dim]`` with ``kv_dim = align(kv_lora_rank,
+    128) + align(qk_rope_head_dim, 128)``: the packed axes are token-major (token ``t`` of a page is row
+    ``t // packing``, lane ``t % packing``), so token ``t``'s row starts at byte ``t * kv_dim * itemsize`` of its page.
+    The source reads from there: PARTIAL the row's first 16 bytes (``c_kv``), ALL the whole row (``c_kv``, its padding,
+    ``k_pe`` and its padding).
+    """
+    if kv0.ndim != 4 or kv0.shape[1] * kv0.shape[2] < page_size:
+        raise ValueError(
+            "kv0 must be sglang-jax's MLA layer array [pages, align(page_size, packing) // packing, packing, kv_dim] "
+            f"holding page_size={page_size} tokens a page; got shape {tuple(kv0.shape)}"
+        )
+    row_bytes = kv0.shape[3] * jnp.dtype(kv0.dtype).itemsize
+    return kc.RealKvSource(kv0, page_size=page_size, num_bytes_per_token=row_bytes, read_bytes=row_bytes)
+
+
 def _inclusive_sum(x: jax.Array) -> jax.Array:
     """``cumsum`` as one ``reduce_window`` (jax 0.12 lowers ``jnp.cumsum`` for CUDA to a while loop)."""
     n = x.shape[0]

@@ -22,7 +22,8 @@ def refuse_warm_engine(worker, tree_cache=None) -> None:
     live = req_pool.size - req_pool.available_size()
     if live:
         held.append(f"{live} live request(s) in its req_to_token pool")
-    cached = int(tree_cache.total_size()) if tree_cache is not None else 0
+    has_tree = tree_cache is not None and hasattr(tree_cache, "root_node")  # a ChunkCache (no radix) holds nothing
+    cached = int(tree_cache.total_size()) if has_tree else 0
     if cached:
         held.append(f"{cached} token(s) in its radix cache")
     free = sum(allocator.available_size(r) for r in range(int(getattr(allocator, "dp_size", 1))))  # each DP rank's

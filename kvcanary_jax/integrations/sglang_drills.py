@@ -18,7 +18,7 @@ import logging
 import numpy as np
 
 from kvcanary_jax import testing
-from kvcanary_jax.integrations import sglang_jax
+from kvcanary_jax.integrations import _sglang_pools, sglang_jax
 
 logger = logging.getLogger("kvcanary_jax.drill")
 KINDS = ("live_kv", "req_to_token", "idle_cache_kv", "token_swap")
@@ -48,8 +48,7 @@ class DrillSpec:
 
 
 def _flip(guard, slot: int) -> None:
-    pool = guard.runner.token_to_kv_pool
-    pool.kv_buffer[0] = testing.flip_kv_byte(pool.kv_buffer[0], np.int32(slot), page_size=guard.layout.page_size)
+    _sglang_pools.flip_layer0_byte(guard.runner.token_to_kv_pool, slot, guard.layout.page_size)
 
 
 class Drill:

@@ -352,6 +352,9 @@ def install_in_this_process() -> None:
     """Makes the engine build :class:`CanaryScheduler` wherever it builds its ``Scheduler`` in this process."""
     from sgl_jax.srt.managers import scheduler as scheduler_module
 
+    from kvcanary_jax.integrations import sglang_cpu
+
+    sglang_cpu.install()  # CPU: MLA models (--attention-backend fa) on an XLA kernel; a no-op elsewhere
     if not getattr(scheduler_module.Scheduler, "_kvcanary", False):
         cls = _scheduler_class(scheduler_module.Scheduler)
         cls._kvcanary = True

@@ -120,8 +120,20 @@ def _llama(directory: str | os.PathLike, *, seed: int = 0) -> str:
     return write_tiny_model(directory, seed=seed)
 
 
+def _deepseek_v3(directory: str | os.PathLike, *, seed: int = 0) -> str:
+    from kvcanary_jax.integrations import tiny_deepseek  # it imports this module (the tokenizer)
+
+    return tiny_deepseek.write_tiny_deepseek_v3(directory, seed=seed)
+
+
+def _qwen3_5(directory: str | os.PathLike, *, seed: int = 0) -> str:
+    from kvcanary_jax.integrations import tiny_qwen3_5  # it imports this module (the tokenizer)
+
+    return tiny_qwen3_5.write_tiny_qwen3_5(directory, seed=seed)
+
+
 # model families ``tiny-model --arch`` writes (tiny, random weights, the local tokenizer): name -> writer(dir, seed=)
-ARCHS = {"llama": _llama}
+ARCHS = {"llama": _llama, "deepseek_v3": _deepseek_v3, "qwen3_5": _qwen3_5}
 
 
 def write_arch(directory: str | os.PathLike, *, arch: str = "llama", seed: int = 0, size: str = "tiny") -> str:
