@@ -120,8 +120,14 @@ def _llama(directory: str | os.PathLike, *, seed: int = 0) -> str:
     return write_tiny_model(directory, seed=seed)
 
 
+def _gemma2(directory: str | os.PathLike, *, seed: int = 0) -> str:
+    from kvcanary_jax.integrations import tiny_gemma2  # its own module: each family's writer apart
+
+    return tiny_gemma2.write_tiny_gemma2(directory, seed=seed)
+
+
 # model families ``tiny-model --arch`` writes (tiny, random weights, the local tokenizer): name -> writer(dir, seed=)
-ARCHS = {"llama": _llama}
+ARCHS = {"llama": _llama, "gemma2": _gemma2}
 
 
 def write_arch(directory: str | os.PathLike, *, arch: str = "llama", seed: int = 0, size: str = "tiny") -> str:
