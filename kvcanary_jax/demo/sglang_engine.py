@@ -23,11 +23,12 @@ from sgl_jax.srt.managers.tp_worker import ModelWorker
 from sgl_jax.srt.mem_cache.chunk_cache import ChunkCache
 from sgl_jax.srt.mem_cache.common import release_kv_cache
 from sgl_jax.srt.mem_cache.radix_cache import RadixCache
+from sgl_jax.srt.mem_cache.swa_radix_cache import SWARadixCache
 from sgl_jax.srt.sampling.sampling_params import SamplingParams
 from sgl_jax.srt.server_args import ServerArgs
 from sgl_jax.srt.utils.mesh_utils import create_device_mesh
 
-from kvcanary_jax.integrations import tiny_llama
+from kvcanary_jax.integrations import sglang_native_swa, tiny_llama
 
 MAX_RUNNING, TOKEN_BUCKET, MAX_TOTAL_TOKENS = 16, 256, 2048
 
@@ -39,9 +40,10 @@ def write_tiny_llama(directory: str | os.PathLike, *, kv_heads: int = 1) -> str:
 
 def build_worker(
     model_path: str, *, page_size: int = 1, seed: int = 0, tp: int = 1, dp: int = 1,
-    max_total_tokens: int = MAX_TOTAL_TOKENS,
+    max_total_tokens: int = MAX_TOTAL_TOKENS, load_format: str = "dummy",
 ) -> ModelWorker:  # fmt: skip
-    """The engine's ``ModelWorker`` on CPU (it builds the ``ModelRunner`` and the padding buckets), random weights.
+    """The engine's ``ModelWorker`` on CPU (it builds the ``ModelRunner`` and the padding buckets), random weights:
+    drawn here with ``load_format="dummy"``, else the model directory's own (``tiny-model --arch``'s are random).
 
     ``tp`` x ``dp`` devices on the engine's ``(data, tensor)`` mesh: ``dp`` DP ranks, each splitting its KV heads over
     ``tp`` devices (sglang-jax's ``tp_size = tp * dp``, ``dp_size = dp``). On CPU they are host-platform devices.
@@ -49,7 +51,7 @@ def build_worker(
     if tp < 1 or dp < 1 or len(jax.devices()) < tp * dp:
         raise ValueError(f"tp and dp must be >= 1 with tp * dp <= {len(jax.devices())} devices; got {tp=}, {dp=}")
     args = ServerArgs(
-        model_path=model_path, device="cpu", attention_backend="native", load_format="dummy",
+        model_path=model_path, device="cpu", attention_backend="native", load_format=load_format,
         skip_tokenizer_init=True, dtype="bfloat16", page_size=page_size, max_running_requests=MAX_RUNNING,
         max_total_tokens=max_total_tokens, max_prefill_tokens=TOKEN_BUCKET, chunked_prefill_size=TOKEN_BUCKET,
         precompile_bs_paddings=[MAX_RUNNING], precompile_token_paddings=[TOKEN_BUCKET],
@@ -58,7 +60,10 @@ def build_worker(
     devices = jax.devices()[: tp * dp]
     mesh = create_device_mesh(ici_parallelism=[dp, tp], dcn_parallelism=[1, 1], devices=devices)  # every axis Explicit
     worker = ModelWorker(server_args=args, mesh=mesh)
-    randomize_weights(worker.model_runner, seed=seed)
+    if worker.model_runner.is_hybrid:  # an SWAKVPool: the native attention's SWA path (see sglang_native_swa)
+        sglang_native_swa.install()
+    if load_format == "dummy":
+        randomize_weights(worker.model_runner, seed=seed)
     return worker
 
 
@@ -112,9 +117,14 @@ class MiniScheduler:
         self.req_to_token_pool, self.allocator = worker.get_memory_pool()
         self.req_to_token_pool.clear()  # a fresh start on a reused worker
         self.allocator.clear()
-        cache = ChunkCache if worker.server_args.disable_radix_cache else RadixCache  # hybrid recurrent: no radix
-        self.tree_cache = cache(req_to_token_pool=self.req_to_token_pool, token_to_kv_pool_allocator=self.allocator,
-                                page_size=self.page_size)  # fmt: skip
+        common = dict(req_to_token_pool=self.req_to_token_pool, token_to_kv_pool_allocator=self.allocator,
+                      page_size=self.page_size)  # fmt: skip
+        if worker.server_args.disable_radix_cache:  # hybrid recurrent models run without a radix cache
+            self.tree_cache = ChunkCache(**common)
+        elif self.runner.is_hybrid:  # an SWAKVPool: the engine's SWA tree, which frees SWA slots that leave the window
+            self.tree_cache = SWARadixCache(**common, sliding_window_size=self.runner.sliding_window_size)
+        else:
+            self.tree_cache = RadixCache(**common)
         self.paddings = worker.get_precompile_paddings()
         self.pending = list(arrivals if arrivals is not None else workload())
         self.waiting: list[Req] = []
@@ -175,7 +185,8 @@ class MiniScheduler:
     def admit(self, req) -> None:
         """The radix match of a request let in (``prefix_indices``, ``last_node``), its prefix locked."""
         req.init_next_round_input(self.tree_cache)
-        self.tree_cache.inc_lock_ref(req.last_node)
+        locked = self.tree_cache.inc_lock_ref(req.last_node)
+        req.swa_uuid_for_lock = getattr(locked, "swa_uuid_for_lock", None)  # the SWA tree's window lock
 
     def _idle_step(self):
         self.step = self.pending[0].step

@@ -19,7 +19,7 @@ import numpy as np
 from kvcanary_jax import CanaryConfig, KvCanaryViolationError, testing
 from kvcanary_jax.demo import cli, sglang_engine
 from kvcanary_jax.demo.faults import RunResult
-from kvcanary_jax.integrations import _sglang_parallel, _sglang_pools, sglang_jax
+from kvcanary_jax.integrations import _sglang_mapping, _sglang_parallel, _sglang_pools, sglang_jax
 from kvcanary_jax.testing import FaultKind
 
 FAULTS = (FaultKind.LIVE_KV, FaultKind.REQ_TO_TOKEN, FaultKind.TOKEN_SWAP, FaultKind.IDLE_CACHE_KV)
@@ -70,13 +70,12 @@ class EngineRun:
                          one(self.detected_step), None, self.launch_tag, self.fail_reason, self.ok, self.note)  # fmt: skip
 
 
-def _flip(runner, slot: int, rank: int = 0) -> None:
+def _flip(runner, slot: int, rank: int = 0, group: str = "full") -> None:
     """Byte 0 of DP rank ``rank``'s ``slot`` in layer 0's fused K/V array: K head 0's first byte (on the rank's first
-    TP device). Keeps its sharding."""
-    pool = runner.token_to_kv_pool
-    pages = getattr(pool, "full_kv_pool", pool).kv_buffer[0].shape[0]
-    rank_slots = pages // runner.dp_size * runner.page_size  # each rank's pages, its padding page first
-    _sglang_pools.flip_layer0_byte(pool, rank * rank_slots + slot, runner.page_size)
+    TP device). Keeps its sharding. ``group="swa"``: an SWA model's SWA sub-pool (``slot`` is an SWA slot)."""
+    kv0 = _sglang_pools.layer_pool(runner.token_to_kv_pool, group).kv_buffer[0]
+    rank_slots = kv0.shape[0] // runner.dp_size * runner.page_size  # each rank's pages, its padding page first
+    _sglang_pools.flip_layer0_byte(runner.token_to_kv_pool, rank * rank_slots + slot, runner.page_size, group=group)
 
 
 class _Injector:
@@ -162,7 +161,7 @@ class _Injector:
         if self.fault is not FaultKind.IDLE_CACHE_KV or not self._due(step):
             return
         for rank in self.ranks:
-            idle = _sglang_parallel.rank_entries(self.sched.tree_cache, rank, include=lambda node: node.lock_ref == 0)
+            idle = _sglang_parallel.rank_entries(self.sched.tree_cache, rank, include=_sglang_mapping.unlocked)
             if len(idle.slots):
                 k = int(self.rng.integers(len(idle.slots)))
                 _flip(self.sched.runner, int(idle.slots[k]), rank)

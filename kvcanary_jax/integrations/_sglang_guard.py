@@ -113,7 +113,8 @@ class SglangCanary:
         if self.config.enable_verify_token_assert:
             token_pool = dict(max_reqs=self.max_bs, max_context_len=self.layout.table_width)
         # A forward verifies at most the slots attention reads: the largest cache_loc bucket.
-        self.canary = kc.KvCanary(self.config, self.view.canary_pool(verify_capacity=max_verify, **token_pool))
+        pool = self.view.canary_pool(max_rows=self.max_bs, verify_capacity=max_verify, **token_pool)
+        self.canary = kc.KvCanary(self.config, pool)
         self.monitor = kc.CanaryMonitor(self.canary)
         self.state = self._on_mesh(self.canary.init_state())
 
@@ -144,8 +145,9 @@ class SglangCanary:
         """Verifies every slot the radix cache holds now, or ``entries`` (the step's end runs it when due)."""
         if entries is None and self.tree_cache is None:
             raise ValueError("sweep needs the engine's RadixCache: wrap(worker, config, tree_cache=...)")
-        plan = self.canary.sweep_plan(radix_entries(self.tree_cache) if entries is None else entries)
-        self._run("sweep", plan, self.pool_arrays())
+        arrays = self.pool_arrays()  # the SWA group's slots through the full->SWA table as it stands now
+        plan = self.view.sweep_plan(self.canary, radix_entries(self.tree_cache) if entries is None else entries, arrays)
+        self._run("sweep", plan, arrays)
 
     def adopt(self, reqs, req_to_token_pool) -> int:
         """Writes the records of the slots the engine cached before the wrap (see :mod:`._sglang_adopt`)."""
@@ -382,7 +384,7 @@ class SglangCanary:
                     scratch, _ = _head(scratch, fields, oracle, arrays, **static)
                     scratch, _ = _tail(scratch, fields, oracle, arrays, **static)
         if self.tree_cache is not None and self.config.sweep_interval > 0:
-            plan = self.canary.sweep_plan(kc.SweepEntries.empty())
+            plan = self.view.sweep_plan(self.canary, kc.SweepEntries.empty(), arrays)
             # after a TAIL (a launch's output) and after the first step's mark_init_finished (the state re-placed)
             for state in (scratch, self._on_mesh(self.canary.init_state())):
                 with jax.set_mesh(self.runner.mesh):

@@ -321,6 +321,12 @@ def radix_entries(tree_cache, *, include=None) -> kc.SweepEntries:
     )
 
 
+def unlocked(node) -> bool:
+    """No running request holds the radix node (``RadixCache``'s ``lock_ref``, ``SWARadixCache``'s
+    ``full_lock_ref``): its slots are idle cache."""
+    return getattr(node, "lock_ref", getattr(node, "full_lock_ref", 0)) == 0
+
+
 def scheduler_requests(scheduler) -> list:
     """The live requests of an sglang-jax ``Scheduler`` between steps (DP rank 0): the running batch's, the last
     batch's (a prefill not merged yet) and the chunked request, each once."""

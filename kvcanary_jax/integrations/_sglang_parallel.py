@@ -219,6 +219,9 @@ def _section(mwb, rank: int, dp: int) -> types.SimpleNamespace:
 def refuse(worker, live_requests) -> None:
     """Refuses, by name, what the parallel mapping does not cover."""
     problems = []
+    pool = type(worker.model_runner.token_to_kv_pool).__name__
+    if pool != "MHATokenToKVPool":
+        problems.append(f"the KV pool {pool} (the parallel guard maps MHATokenToKVPool only)")
     if mapping.is_overlap_client(worker):
         problems.append("the overlap scheduler (run it with disable_overlap_schedule=True)")
     if live_requests is not None:

@@ -22,11 +22,15 @@ def refuse_warm_engine(worker, tree_cache=None) -> None:
     live = req_pool.size - req_pool.available_size()
     if live:
         held.append(f"{live} live request(s) in its req_to_token pool")
-    has_tree = tree_cache is not None and hasattr(tree_cache, "root_node")  # a ChunkCache (no radix) holds nothing
-    cached = int(tree_cache.total_size()) if has_tree else 0
+    cached = 0
+    if tree_cache is not None and hasattr(tree_cache, "root_node"):  # a ChunkCache (no radix) holds nothing
+        cached = tree_cache.total_size()
+        cached = int(cached[0] if isinstance(cached, tuple) else cached)  # SWARadixCache's: (full, SWA) tokens
     if cached:
         held.append(f"{cached} token(s) in its radix cache")
-    free = sum(allocator.available_size(r) for r in range(int(getattr(allocator, "dp_size", 1))))  # each DP rank's
+    # the full pool's free slots (an SWA allocator's available_size is the smaller of its two pools')
+    available = getattr(allocator, "full_available_size", allocator.available_size)
+    free = sum(available(r) for r in range(int(getattr(allocator, "dp_size", 1))))  # each DP rank's
     used = allocator.size - free - cached
     if used > 0 and not live:
         held.append(f"{used} allocated KV slot(s)")

@@ -18,7 +18,7 @@ import logging
 import numpy as np
 
 from kvcanary_jax import testing
-from kvcanary_jax.integrations import _sglang_pools, sglang_jax
+from kvcanary_jax.integrations import _sglang_mapping, _sglang_pools, sglang_jax
 
 logger = logging.getLogger("kvcanary_jax.drill")
 KINDS = ("live_kv", "req_to_token", "idle_cache_kv", "token_swap")
@@ -48,6 +48,7 @@ class DrillSpec:
 
 
 def _flip(guard, slot: int) -> None:
+    """Byte 0 of full-pool ``slot`` in the array the FULL group checks (an SWA model's full sub-pool)."""
     _sglang_pools.flip_layer0_byte(guard.runner.token_to_kv_pool, slot, guard.layout.page_size)
 
 
@@ -109,7 +110,7 @@ class Drill:
         batch = self.scheduler.cur_batch
         if kind == "idle_cache_kv":
             sweeps = pending.sweep is not None if guard.overlap else guard.monitor.sweep_due
-            idle = sglang_jax.radix_entries(guard.tree_cache, include=lambda node: node.lock_ref == 0)
+            idle = sglang_jax.radix_entries(guard.tree_cache, include=_sglang_mapping.unlocked)
             if sweeps and len(idle.slots):
                 slot = int(idle.slots[int(self.rng.integers(len(idle.slots)))])
                 self._injected("idle_cache_kv", rid=None, slot=slot, step=guard.enqueued - 1)

@@ -24,7 +24,11 @@ What the engine's batch becomes (all on device, inside the HEAD / TAIL jits):
   run with plans of the next power of two of that (:func:`sized_capacity`: at least 256, at most the largest
   ``cache_loc`` bucket), one compile per size and mode. The canary's work follows its plans' size, and the bucket
   (every row at the model's context length) is many times what a batch holds.
-* sweep: every slot the ``RadixCache`` holds (a depth-first walk of its nodes).
+* sweep: every slot the ``RadixCache`` (or ``SWARadixCache``) holds (a depth-first walk of its nodes).
+* SWA (``SWAKVPool``, e.g. Gemma 2): a FULL group over the full-attention sub-pool and an SWA group over the
+  sliding-window one, its slots through the allocator's ``full_to_swa_index_mapping`` (copied at each launch: a
+  slot freed as it leaves the window maps to 0 and is skipped); per forward the SWA group verifies the last
+  ``sliding_window - 1`` cached positions, the ones an SWA layer reads (see :class:`._sglang_pools.SwaPoolView`).
 * the monitor: TAIL and the sweep also return ``CanaryMonitor.snapshot`` of their state, which the step's check
   hands to ``after_step``: two launches a step (three with a sweep), none of the monitor's own.
 * token oracle: ``req.origin_input_ids + req.output_ids`` of each request, for the write-input assert (the tokens
@@ -37,9 +41,9 @@ What the engine's batch becomes (all on device, inside the HEAD / TAIL jits):
   The step's end (the radix sweep, planned on the scheduler's thread, and the monitor) runs on the worker's thread
   after the forward: ``after_step`` is not called by the user.
 
-Not mapped (refused with an error): speculative decoding, SWA / MLA / hybrid pools, the fused Pathways
-forward-and-sample path, and an engine that already holds requests or cached prefixes (its records were never
-written: see :func:`refuse_warm_engine`). A parallel engine (``tp_size`` or ``dp_size`` > 1) gets a sharded canary
+Not mapped (refused with an error): speculative decoding, MLA / hybrid-linear pools, SWA with DP > 1 or on a
+parallel engine, adopting a warm SWA engine, the fused Pathways forward-and-sample path, and an engine that already
+holds requests or cached prefixes (its records were never written: see :func:`refuse_warm_engine`). A parallel engine (``tp_size`` or ``dp_size`` > 1) gets a sharded canary
 over its mesh, each DP rank numbering its own slots: see :mod:`._sglang_parallel`.
 """
 
@@ -122,6 +126,11 @@ def wrap(
         _sglang_parallel.refuse(worker, live_requests)
     if live_requests is None:
         refuse_warm_engine(worker, tree_cache)
+    elif (pool := type(worker.model_runner.token_to_kv_pool).__name__) != "MHATokenToKVPool":
+        raise NotImplementedError(
+            f"kvcanary's sglang-jax wrapper does not adopt a warm engine's {pool} (live_requests; the SWA group's "
+            "records are not adopted): wrap it before it serves"
+        )
     if config.sweep_interval > 0 and tree_cache is None:
         raise ValueError(
             f"config.sweep_interval={config.sweep_interval} sweeps the radix cache: pass tree_cache=<the "

@@ -29,7 +29,7 @@ import time
 import numpy as np
 
 import kvcanary_jax as kc
-from kvcanary_jax.integrations import sglang_drills, sglang_jax, sglang_metrics
+from kvcanary_jax.integrations import sglang_drills, sglang_jax, sglang_metrics, sglang_native_swa
 
 logger = logging.getLogger("kvcanary_jax.serve")
 ENV = "KVCANARY_SERVE"  # the settings, from this process to the scheduler's
@@ -47,6 +47,7 @@ class ServeSettings:
     inject: str | None = None
     inject_seed: int = 0
     token_asserts: bool = True
+    native_swa: bool = False
     server_pid: int = 0
 
     def config(self) -> kc.CanaryConfig:
@@ -76,6 +77,10 @@ def canary_parser() -> argparse.ArgumentParser:
                    help=f"fault drill, one of {', '.join(sglang_drills.KINDS)}, fired with PROB per step (default "
                    "0.1; env KVCANARY_INJECT)")  # fmt: skip
     p.add_argument("--canary-inject-seed", type=int, default=0, help="seed of the drill's choices")
+    p.add_argument("--canary-native-swa", action="store_true",
+                   help="patch the engine's native attention (CPU / GPU) to address a sliding-window model's "
+                   "SWAKVPool, which sglang-jax 0.1.0rc0 does on TPU only (kvcanary_jax.integrations."
+                   "sglang_native_swa); with the canary on or off")  # fmt: skip
     return p
 
 
@@ -110,7 +115,8 @@ def split_args(argv: list[str]) -> tuple[ServeSettings, list[str]]:
             raise ValueError("--canary-inject token_swap is found by the token asserts: drop --canary-no-token-asserts")
     settings = ServeSettings(mode=ns.canary_mode, real_kv=ns.canary_real_kv, sweep_interval=ns.canary_sweep_interval,
                              inject=ns.canary_inject, inject_seed=ns.canary_inject_seed,
-                             token_asserts=not ns.canary_no_token_asserts, server_pid=os.getpid())  # fmt: skip
+                             token_asserts=not ns.canary_no_token_asserts, native_swa=ns.canary_native_swa,
+                             server_pid=os.getpid())  # fmt: skip
     return settings, rest
 
 
@@ -136,6 +142,8 @@ def refuse_unmapped(server_args) -> None:
 
 # --- inside the scheduler's process --------------------------------------------------------------------------------
 
+_SWEPT_TREES = ("RadixCache", "SWARadixCache")  # the trees the sweep walks (the same nodes: children, value)
+
 
 def attach(scheduler, settings: ServeSettings) -> sglang_jax.SglangCanary | None:
     """Wraps the scheduler's worker and hooks its ``run_batch``; the scheduler's loop drives the guard from then on."""
@@ -144,9 +152,9 @@ def attach(scheduler, settings: ServeSettings) -> sglang_jax.SglangCanary | None
     if getattr(scheduler, "pd", None):
         raise NotImplementedError("kvcanary serve does not map the Pathways PD workers")
     tree_cache = scheduler.tree_cache if settings.sweep_interval else None
-    if tree_cache is not None and type(tree_cache).__name__ != "RadixCache":
-        raise NotImplementedError(f"kvcanary's sweep maps the RadixCache only; got {type(tree_cache).__name__} "
-                                  "(run with --canary-sweep-interval 0)")  # fmt: skip
+    if tree_cache is not None and type(tree_cache).__name__ not in _SWEPT_TREES:
+        raise NotImplementedError(f"kvcanary's sweep maps the {' and '.join(_SWEPT_TREES)} only; got "
+                                  f"{type(tree_cache).__name__} (run with --canary-sweep-interval 0)")  # fmt: skip
     guard = sglang_jax.wrap(scheduler.tp_worker, settings.config(), tree_cache=tree_cache)
     if getattr(scheduler.tree_cache, "hicache_enabled", False):  # records travel with the host pages
         from kvcanary_jax.integrations import sglang_hicache
@@ -365,7 +373,11 @@ def run_scheduler_process(*args, **kwargs):
     """The spawned scheduler's target (picklable by name): the canary installed, then the engine's own target."""
     from sgl_jax.srt.managers import scheduler as scheduler_module
 
-    install_in_this_process()
+    settings = ServeSettings(**json.loads(os.environ[ENV]))
+    if settings.native_swa:
+        sglang_native_swa.install()
+    if settings.mode != "off":
+        install_in_this_process()
     return scheduler_module.run_scheduler_process(*args, **kwargs)
 
 
@@ -402,8 +414,11 @@ def main(argv: list[str]) -> int:
         print(f"kvcanary serve: {err}", file=sys.stderr)
         return 2
     os.environ[ENV] = json.dumps(dataclasses.asdict(settings))
-    if settings.mode != "off":
+    if settings.native_swa:
+        sglang_native_swa.install()  # --enable-single-process runs the model here
+    if settings.mode != "off" or settings.native_swa:
         engine.run_scheduler_process = run_scheduler_process  # the spawned child's target
+    if settings.mode != "off":
         install_in_this_process()  # --enable-single-process builds the scheduler here
         signal.signal(_STOP_SIGNAL, _on_stop)
     try:

@@ -132,8 +132,14 @@ def _qwen3_5(directory: str | os.PathLike, *, seed: int = 0) -> str:
     return tiny_qwen3_5.write_tiny_qwen3_5(directory, seed=seed)
 
 
+def _gemma2(directory: str | os.PathLike, *, seed: int = 0) -> str:
+    from kvcanary_jax.integrations import tiny_gemma2  # its own module: each family's writer apart
+
+    return tiny_gemma2.write_tiny_gemma2(directory, seed=seed)
+
+
 # model families ``tiny-model --arch`` writes (tiny, random weights, the local tokenizer): name -> writer(dir, seed=)
-ARCHS = {"llama": _llama, "deepseek_v3": _deepseek_v3, "qwen3_5": _qwen3_5}
+ARCHS = {"llama": _llama, "gemma2": _gemma2, "deepseek_v3": _deepseek_v3, "qwen3_5": _qwen3_5}
 
 
 def write_arch(directory: str | os.PathLike, *, arch: str = "llama", seed: int = 0, size: str = "tiny") -> str:
