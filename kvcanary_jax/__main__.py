@@ -79,11 +79,20 @@ def main(argv: list[str] | None = None) -> int:
         help="tiny: a 2-layer Llama with random weights (runs on CPU); 1b / 8b: Llama-shaped configs (8b: "
         "Llama-3-8B's), config and tokenizer only: serve them with --load-format dummy",
     )  # fmt: skip
+    tiny.add_argument(
+        "--draft", default=None, choices=("standalone", "eagle3", "dflash"),
+        help="a draft model for the tiny Llama (sglang-jax's --speculative-draft-model-path): standalone (a 1-layer "
+        "Llama, random weights), eagle3 (a LlamaForCausalLMEagle3 head) or dflash (a DFlash draft), the last two "
+        "config and tokenizer only (--load-format dummy)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     if args.command == "tiny-model":
         from kvcanary_jax.integrations import tiny_llama
 
-        print(tiny_llama.write_tiny_model(args.dir, seed=args.seed, size=args.size))
+        if args.draft is not None and args.size != "tiny":
+            print("--draft writes a draft for the tiny Llama: drop --size")
+            return 2
+        print(tiny_llama.write_tiny_model(args.dir, seed=args.seed, size=args.size, draft=args.draft))
         return 0
     if args.command == "demo" and args.engine == "toy" and (args.tp, args.dp) != (1, 1):
         print("--tp / --dp are for --engine sglang-jax; the toy engine's sharded demo takes --devices N")

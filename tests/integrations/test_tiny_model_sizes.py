@@ -46,3 +46,28 @@ def test_cli_size_flag_writes_config_and_tokenizer_but_no_weights(tmp_path, caps
     assert cli_main.main(["tiny-model", str(tmp_path / "tiny")]) == 0
     assert _config(tmp_path / "tiny") == tiny_llama.TINY_LLAMA
     assert (tmp_path / "tiny" / "model.safetensors").exists()
+
+
+@pytest.mark.parametrize("draft, arch", [("standalone", "LlamaForCausalLM"), ("eagle3", "LlamaForCausalLMEagle3"),
+                                         ("dflash", "DFlashDraftModel")])  # fmt: skip
+def test_draft_configs_share_the_tiny_vocabulary_with_one_layer(tmp_path, draft, arch):
+    c = _config(tiny_llama.write_config(tmp_path, draft=draft))
+    assert c["architectures"] == [arch] and c["num_hidden_layers"] == 1
+    assert (c["vocab_size"], c["hidden_size"], c["head_dim"]) == (512, 256, 128)  # the target's: shared embeddings
+    with pytest.raises(ValueError, match="draft must be one of standalone, eagle3, dflash, for size 'tiny'"):
+        tiny_llama.write_config(tmp_path, draft=draft, size="1b")
+    with pytest.raises(ValueError, match="draft must be one of"):
+        tiny_llama.write_config(tmp_path, draft="medusa")
+
+
+def test_cli_draft_flag_writes_weights_for_the_standalone_draft_only(tmp_path, capsys):
+    pytest.importorskip("tokenizers")
+    safetensors = pytest.importorskip("safetensors.numpy")
+    assert cli_main.main(["tiny-model", str(tmp_path / "s"), "--draft", "standalone"]) == 0
+    weights = safetensors.load_file(str(tmp_path / "s" / "model.safetensors"))
+    assert "model.layers.0.self_attn.q_proj.weight" in weights and "model.layers.1.mlp.up_proj.weight" not in weights
+    assert cli_main.main(["tiny-model", str(tmp_path / "e"), "--draft", "eagle3"]) == 0
+    assert _config(tmp_path / "e")["draft_vocab_size"] is None and not (tmp_path / "e" / "model.safetensors").exists()
+    assert (tmp_path / "e" / "tokenizer.json").exists()
+    assert cli_main.main(["tiny-model", str(tmp_path / "x"), "--draft", "eagle3", "--size", "1b"]) == 2
+    capsys.readouterr()
