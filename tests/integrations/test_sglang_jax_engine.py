@@ -158,9 +158,15 @@ def test_unmapped_set_ups_are_refused_by_name(worker):
                                       server_args=types.SimpleNamespace(**{**vars(worker.server_args), **change}))  # fmt: skip
         with pytest.raises(NotImplementedError, match=message):
             sglang_jax.wrap(other, config)
-    with sglang_jax.wrap(worker, config):
+    with sglang_jax.wrap(worker, config) as guard:
         with pytest.raises(ValueError, match="wrapped already"):
             sglang_jax.wrap(worker, config)
+        from sgl_jax.srt.model_executor.forward_batch_info import ForwardMode
+
+        for mode in (ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND):  # a spec forward reaching the runner
+            with pytest.raises(NotImplementedError, match=rf"got {mode.name} \(speculative decoding is not mapped\)"):
+                worker.model_runner.forward(types.SimpleNamespace(forward_mode=mode, bid=0))
+        assert guard.steps == 0
 
 
 def test_a_warm_engine_is_refused_by_name(worker):
