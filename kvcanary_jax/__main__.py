@@ -81,12 +81,23 @@ def main(argv: list[str] | None = None) -> int:
     )  # fmt: skip
     tiny.add_argument("--arch", default="llama", help="the model family (tiny, random weights): llama (default), "
                       "or another of kvcanary_jax.integrations.tiny_llama.ARCHS")  # fmt: skip
+    tiny.add_argument(
+        "--draft", default=None, choices=("standalone", "eagle3", "dflash"),
+        help="a draft model for the tiny Llama (sglang-jax's --speculative-draft-model-path): standalone (a 1-layer "
+        "Llama, random weights), eagle3 (a LlamaForCausalLMEagle3 head) or dflash (a DFlash draft), the last two "
+        "config and tokenizer only (--load-format dummy)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     if args.command == "tiny-model":
         from kvcanary_jax.integrations import tiny_llama
 
+        if args.draft is not None and (args.size, args.arch) != ("tiny", "llama"):
+            parser.error("--draft writes a draft for the tiny Llama: drop --size and --arch")
         try:
-            print(tiny_llama.write_arch(args.dir, arch=args.arch, seed=args.seed, size=args.size))
+            if args.draft is not None:
+                print(tiny_llama.write_tiny_model(args.dir, seed=args.seed, draft=args.draft))
+            else:
+                print(tiny_llama.write_arch(args.dir, arch=args.arch, seed=args.seed, size=args.size))
         except ValueError as err:
             parser.error(str(err))
         return 0

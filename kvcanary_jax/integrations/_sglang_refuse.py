@@ -7,6 +7,34 @@ from kvcanary_jax.integrations._sglang_guard import SglangCanary
 from kvcanary_jax.integrations._sglang_mapping import is_overlap_client
 from kvcanary_jax.integrations._sglang_pools import pool_view
 
+_EAGLE_FAMILY = (
+    "its draft and verify forwards need the fa attention backend's EAGLE metadata (get_eagle_forward_metadata), and fa "
+    "is a TPU kernel: off TPU the engine runs native attention, which has none, so on CPU it fails at its first batch, "
+    "canary or not; its TARGET_VERIFY, DRAFT_EXTEND and draft-decode forwards are not mapped"
+)
+# Why each speculative algorithm of sglang-jax 0.1.0rc0 is refused: what stops it on CPU with the canary off (tiny
+# Llama target, drafts from `python -m kvcanary_jax tiny-model DIR --draft ...`; tests/integrations/
+# test_sglang_jax_spec.py checks each still stops so), so no forward of it could be run, mapped or tested.
+SPECULATIVE_UNMAPPED = {
+    "STANDALONE": "sglang-jax 0.1.0rc0's scheduler builds no draft worker for it (it fails at the first batch: "
+    "'Scheduler' object has no attribute 'draft_worker'), canary or not",
+    "EAGLE": _EAGLE_FAMILY,
+    "EAGLE3": _EAGLE_FAMILY,
+    "NEXTN": _EAGLE_FAMILY,
+    "DFLASH": "its draft extend appends the target's hidden states to the draft KV with a Pallas TPU kernel (and its "
+    "forwards need the fa backend's EAGLE metadata): the engine fails at its first batch on CPU, canary or not; its "
+    "forwards are not mapped",
+}
+
+
+def speculative_refusal(algorithm) -> str | None:
+    """Why speculative decoding with ``algorithm`` (``--speculative-algorithm``) is not mapped; None when it is off."""
+    if algorithm in (None, "", "NONE", "none"):
+        return None
+    name = str(algorithm).upper()
+    reason = SPECULATIVE_UNMAPPED.get(name, "an algorithm this release of the wrapper does not know")
+    return f"speculative decoding (speculative_algorithm={algorithm!r}: {reason})"
+
 
 def refuse_warm_engine(worker, tree_cache=None) -> None:
     """Refuses an engine that already holds requests or cached prefixes: their slots have no records.
@@ -57,9 +85,9 @@ def check_engine(worker, config) -> None:
     model_worker = worker.worker if is_overlap_client(worker) else worker
     args = model_worker.server_args
     problems = []
-    algorithm = getattr(args, "speculative_algorithm", None)
-    if algorithm not in (None, "", "NONE", "none"):
-        problems.append(f"speculative decoding (speculative_algorithm={algorithm!r})")
+    speculative = speculative_refusal(getattr(args, "speculative_algorithm", None))
+    if speculative is not None:
+        problems.append(speculative)
     if getattr(model_worker, "_pd_fuse_sample", False):
         problems.append("the fused Pathways forward-and-sample path (it bypasses ModelRunner.forward)")
     try:

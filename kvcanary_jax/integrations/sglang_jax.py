@@ -41,9 +41,11 @@ What the engine's batch becomes (all on device, inside the HEAD / TAIL jits):
   The step's end (the radix sweep, planned on the scheduler's thread, and the monitor) runs on the worker's thread
   after the forward: ``after_step`` is not called by the user.
 
-Not mapped (refused with an error): speculative decoding, MLA / hybrid-linear pools, SWA with DP > 1 or on a
-parallel engine, adopting a warm SWA engine, the fused Pathways forward-and-sample path, and an engine that already
-holds requests or cached prefixes (its records were never written: see :func:`refuse_warm_engine`). A parallel engine (``tp_size`` or ``dp_size`` > 1) gets a sharded canary
+Not mapped (refused with an error): speculative decoding (every algorithm, each with what stops it on CPU:
+``_sglang_refuse.SPECULATIVE_UNMAPPED``; none of sglang-jax 0.1.0rc0's runs there), SWA with DP > 1 or on a parallel
+engine, MLA or hybrid pools on a parallel engine, MLA's DSA indexer-key cache, adopting a warm SWA engine, the fused
+Pathways forward-and-sample path, and an engine that already holds requests or cached prefixes (its records were never
+written: see :func:`refuse_warm_engine`). A parallel engine (``tp_size`` or ``dp_size`` > 1) gets a sharded canary
 over its mesh, each DP rank numbering its own slots: see :mod:`._sglang_parallel`.
 """
 

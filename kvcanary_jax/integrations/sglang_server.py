@@ -30,6 +30,7 @@ import numpy as np
 
 import kvcanary_jax as kc
 from kvcanary_jax.integrations import sglang_drills, sglang_jax, sglang_metrics, sglang_native_swa
+from kvcanary_jax.integrations._sglang_refuse import speculative_refusal
 
 logger = logging.getLogger("kvcanary_jax.serve")
 ENV = "KVCANARY_SERVE"  # the settings, from this process to the scheduler's
@@ -123,8 +124,9 @@ def split_args(argv: list[str]) -> tuple[ServeSettings, list[str]]:
 def refuse_unmapped(server_args) -> None:
     """At startup, before anything serves: refuses by name what the canary's mapping does not cover."""
     problems = []
-    if server_args.speculative_algorithm not in (None, "", "NONE"):
-        problems.append(f"speculative decoding (--speculative-algorithm {server_args.speculative_algorithm})")
+    speculative = speculative_refusal(server_args.speculative_algorithm)
+    if speculative is not None:
+        problems.append(speculative)
     tp, dp = int(getattr(server_args, "tp_size", 1) or 1), int(server_args.dp_size or 1)
     if tp > 1 or dp > 1:
         problems.append(f"tensor or data parallelism (--tp-size {tp} --dp-size {dp}: only the in-process wrap maps "

@@ -7,6 +7,13 @@ an OpenAI-style ``/v1/completions`` request with a text prompt works.
 
 ``--size 1b`` / ``8b`` write Llama-shaped configs for benchmarks (:data:`SIZES`; 8b is Llama-3-8B's shape) and the
 tokenizer, padded to their vocabulary, but no weights (gigabytes): serve them with ``--load-format dummy``.
+
+``--draft standalone|eagle3|dflash`` writes a draft model for the tiny Llama (:data:`DRAFTS`, same vocabulary and
+tokenizer), for sglang-jax's ``--speculative-draft-model-path``: ``standalone`` a one-layer Llama with random weights
+(``--speculative-algorithm STANDALONE``), ``eagle3`` a one-layer ``LlamaForCausalLMEagle3`` head (EAGLE3, and EAGLE /
+NEXTN, which load a Llama draft as that class), ``dflash`` a one-layer ``DFlashDraftModel`` (block size 4, reading
+target layer 0); the last two as configs only (serve them with ``--load-format dummy``). What each does on the engine
+today is in ``docs/sglang-jax.md`` ("Speculative decoding").
 """
 
 from __future__ import annotations
@@ -37,6 +44,17 @@ SIZES = {
     "8b": dict(_LLAMA3, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                num_key_value_heads=8),
 }  # fmt: skip
+_DRAFT_LAYER = dict(TINY_LLAMA, num_hidden_layers=1)
+DRAFTS = {
+    # a smaller Llama of the same vocabulary: --speculative-algorithm STANDALONE
+    "standalone": _DRAFT_LAYER,
+    # sglang-jax's EAGLE3 head (one decoder layer on the target's hidden states); draft_vocab_size None: the target's
+    # vocabulary and LM head. EAGLE and NEXTN load a LlamaForCausalLM draft as this class too.
+    "eagle3": dict(_DRAFT_LAYER, architectures=["LlamaForCausalLMEagle3"], draft_vocab_size=None),
+    # a DFlash block-diffusion draft: blocks of 4 tokens, conditioned on target layer 0 (--speculative-algorithm DFLASH)
+    "dflash": dict(_DRAFT_LAYER, architectures=["DFlashDraftModel"], num_key_value_heads=2,
+                   dflash_config={"block_size": 4, "target_layer_ids": [0], "mask_token_id": 3}),
+}  # fmt: skip
 _SPECIAL = ["<unk>", "<s>", "</s>"]  # ids 0, 1, 2: the config's bos / eos
 _CORPUS = (
     "The quick brown fox jumps over the lazy dog. A KV cache holds the keys and values of every token a request has "
@@ -46,15 +64,19 @@ _CORPUS = (
 )
 
 
-def write_config(directory: str | os.PathLike, *, kv_heads: int | None = None, size: str = "tiny") -> pathlib.Path:
+def write_config(
+    directory: str | os.PathLike, *, kv_heads: int | None = None, size: str = "tiny", draft: str | None = None
+) -> pathlib.Path:
     """Writes the Llama's ``config.json`` (:data:`SIZES`) into ``directory`` (made if missing); returns the directory.
 
     ``kv_heads``: its KV heads (sglang-jax's tensor parallelism splits them: at least one per device); default: the
-    size's own (1 for ``tiny``).
+    size's own (1 for ``tiny``). ``draft``: a draft model for the tiny Llama instead (:data:`DRAFTS`).
     """
     if size not in SIZES:
         raise ValueError(f"size must be one of {', '.join(SIZES)}; got {size!r}")
-    config = SIZES[size]
+    if draft is not None and (draft not in DRAFTS or size != "tiny"):
+        raise ValueError(f"draft must be one of {', '.join(DRAFTS)}, for size 'tiny'; got {draft=}, {size=}")
+    config = SIZES[size] if draft is None else DRAFTS[draft]
     kv_heads = config["num_key_value_heads"] if kv_heads is None else kv_heads
     if not isinstance(kv_heads, int) or not 1 <= kv_heads <= config["num_attention_heads"]:
         raise ValueError(f"kv_heads must be an int in [1, {config['num_attention_heads']}]; got {kv_heads=}")
@@ -64,9 +86,9 @@ def write_config(directory: str | os.PathLike, *, kv_heads: int | None = None, s
     return path
 
 
-def _weights(seed: int, scale: float = 0.05) -> dict[str, np.ndarray]:
+def _weights(seed: int, scale: float = 0.05, config: dict = TINY_LLAMA) -> dict[str, np.ndarray]:
     """Random float32 weights under the Hugging Face Llama names: N(0, scale), norms 1."""
-    c, rng = TINY_LLAMA, np.random.default_rng(seed)
+    c, rng = config, np.random.default_rng(seed)
     hidden, inter, head = c["hidden_size"], c["intermediate_size"], c["head_dim"]
     q, kv = c["num_attention_heads"] * head, c["num_key_value_heads"] * head
     shapes = {"model.embed_tokens.weight": (c["vocab_size"], hidden), "lm_head.weight": (c["vocab_size"], hidden)}
@@ -104,14 +126,17 @@ def _write_tokenizer(path: pathlib.Path, config: dict = TINY_LLAMA) -> None:
     (path / "tokenizer_config.json").write_text(json.dumps(config, indent=1))
 
 
-def write_tiny_model(directory: str | os.PathLike, *, seed: int = 0, size: str = "tiny") -> str:
-    """Writes the config, random weights (``tiny`` only: larger sizes are served with ``--load-format dummy``) and
-    tokenizer into ``directory``; returns its path."""
-    path = write_config(directory, size=size)
-    if size == "tiny":
+def write_tiny_model(
+    directory: str | os.PathLike, *, seed: int = 0, size: str = "tiny", draft: str | None = None
+) -> str:
+    """Writes the config, random weights (``tiny`` and the ``standalone`` draft only: the others are served with
+    ``--load-format dummy``) and tokenizer into ``directory``; returns its path. ``draft``: see :data:`DRAFTS`."""
+    path = write_config(directory, size=size, draft=draft)
+    if size == "tiny" and draft in (None, "standalone"):
         from safetensors.numpy import save_file
 
-        save_file(_weights(seed), str(path / "model.safetensors"))
+        config = TINY_LLAMA if draft is None else DRAFTS[draft]
+        save_file(_weights(seed, config=config), str(path / "model.safetensors"))
     _write_tokenizer(path, SIZES[size])
     return str(path)
 

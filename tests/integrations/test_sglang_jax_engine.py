@@ -148,15 +148,25 @@ def test_unmapped_set_ups_are_refused_by_name(worker):
         with pytest.raises(ValueError, match=rf"table_width must be a positive int of at least the engine's longest "
                                              rf"request \(model_config.context_len=\d+\); got table_width={width!r}"):
             sglang_jax.wrap(worker, config, table_width=width)
-    for change, message in [({"speculative_algorithm": "EAGLE"}, "speculative decoding")]:  # DP: _sglang_parallel
+    speculative = [({"speculative_algorithm": a}, rf"speculative decoding \(speculative_algorithm='{a}': .*{why}")
+                   for a, why in [("EAGLE", "get_eagle_forward_metadata"), ("EAGLE3", "native attention"),
+                                  ("NEXTN", "DRAFT_EXTEND"), ("STANDALONE", "builds no draft worker"),
+                                  ("DFLASH", "Pallas TPU kernel")]]  # fmt: skip
+    for change, message in speculative:  # DP: _sglang_parallel
         other = types.SimpleNamespace(model_runner=worker.model_runner,
                                       forward_batch_generation=worker.forward_batch_generation,
                                       server_args=types.SimpleNamespace(**{**vars(worker.server_args), **change}))  # fmt: skip
         with pytest.raises(NotImplementedError, match=message):
             sglang_jax.wrap(other, config)
-    with sglang_jax.wrap(worker, config):
+    with sglang_jax.wrap(worker, config) as guard:
         with pytest.raises(ValueError, match="wrapped already"):
             sglang_jax.wrap(worker, config)
+        from sgl_jax.srt.model_executor.forward_batch_info import ForwardMode
+
+        for mode in (ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND):  # a spec forward reaching the runner
+            with pytest.raises(NotImplementedError, match=rf"got {mode.name} \(speculative decoding is not mapped\)"):
+                worker.model_runner.forward(types.SimpleNamespace(forward_mode=mode, bid=0))
+        assert guard.steps == 0
 
 
 def test_a_warm_engine_is_refused_by_name(worker):

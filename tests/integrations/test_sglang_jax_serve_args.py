@@ -53,6 +53,18 @@ def test_unmapped_server_set_ups_are_refused_before_launch():
                                                         disaggregation_mode="null", multimodal=False))  # fmt: skip
 
 
+@pytest.mark.parametrize("algorithm", ["EAGLE", "EAGLE3", "NEXTN", "STANDALONE", "DFLASH", "medusa"])
+def test_each_speculative_algorithm_is_refused_with_its_reason(algorithm):
+    """No speculative algorithm of sglang-jax 0.1.0rc0 runs on CPU (tests/integrations/test_sglang_jax_spec.py):
+    each is refused at startup with what stops it."""
+    args = types.SimpleNamespace(speculative_algorithm=algorithm, dp_size=1, disaggregation_mode="null",
+                                 multimodal=False)  # fmt: skip
+    reason = {"STANDALONE": "builds no draft worker", "DFLASH": "Pallas TPU kernel", "medusa": "does not know"}
+    with pytest.raises(NotImplementedError, match=rf"kvcanary serve does not map speculative decoding "
+                       rf"\(speculative_algorithm='{algorithm}': .*{reason.get(algorithm, 'EAGLE metadata')}"):  # fmt: skip
+        sglang_server.refuse_unmapped(args)
+
+
 def test_hicache_is_refused_under_the_overlap_scheduler_and_accepted_without_it():
     """Records are carried with host pages under the normal scheduler only: with the overlap scheduler on (the
     engine's default) a HiCache server is refused at startup, by name, rather than false-alarming at a load-back."""

@@ -57,3 +57,28 @@ def test_arch_flag_names_the_families_and_refuses_a_size_outside_llama(tmp_path,
     for arch in set(tiny_llama.ARCHS) - {"llama"}:
         with pytest.raises(ValueError, match=f"--size 1b is a Llama shape; it takes --arch llama, got --arch {arch}"):
             tiny_llama.write_arch(tmp_path / arch, arch=arch, size="1b")
+
+
+@pytest.mark.parametrize("draft, arch", [("standalone", "LlamaForCausalLM"), ("eagle3", "LlamaForCausalLMEagle3"),
+                                         ("dflash", "DFlashDraftModel")])  # fmt: skip
+def test_draft_configs_share_the_tiny_vocabulary_with_one_layer(tmp_path, draft, arch):
+    c = _config(tiny_llama.write_config(tmp_path, draft=draft))
+    assert c["architectures"] == [arch] and c["num_hidden_layers"] == 1
+    assert (c["vocab_size"], c["hidden_size"], c["head_dim"]) == (512, 256, 128)  # the target's: shared embeddings
+    with pytest.raises(ValueError, match="draft must be one of standalone, eagle3, dflash, for size 'tiny'"):
+        tiny_llama.write_config(tmp_path, draft=draft, size="1b")
+    with pytest.raises(ValueError, match="draft must be one of"):
+        tiny_llama.write_config(tmp_path, draft="medusa")
+
+
+def test_cli_draft_flag_writes_weights_for_the_standalone_draft_only(tmp_path, capsys):
+    pytest.importorskip("tokenizers")
+    safetensors = pytest.importorskip("safetensors.numpy")
+    assert cli_main.main(["tiny-model", str(tmp_path / "s"), "--draft", "standalone"]) == 0
+    weights = safetensors.load_file(str(tmp_path / "s" / "model.safetensors"))
+    assert "model.layers.0.self_attn.q_proj.weight" in weights and "model.layers.1.mlp.up_proj.weight" not in weights
+    assert cli_main.main(["tiny-model", str(tmp_path / "e"), "--draft", "eagle3"]) == 0
+    assert _config(tmp_path / "e")["draft_vocab_size"] is None and not (tmp_path / "e" / "model.safetensors").exists()
+    assert (tmp_path / "e" / "tokenizer.json").exists()
+    assert cli_main.main(["tiny-model", str(tmp_path / "x"), "--draft", "eagle3", "--size", "1b"]) == 2
+    capsys.readouterr()
