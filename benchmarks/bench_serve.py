@@ -486,6 +486,9 @@ def main(argv=None) -> int:
             "model_config": config, "python": sys.version.split()[0], "jax": _jax_version(),
             "accelerator": _accelerator()}  # fmt: skip  (no jax backend in this process: the GPU is the server's)
     records: list[dict] = []
+    # a SIGTERM (``timeout``, a job manager) unwinds like Ctrl-C, so the running server is stopped, not left holding
+    # the accelerator's memory for the next run
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     for rnd in range(args.rounds):
         for cfg in args.configs:
             if args.time_budget and time.time() - t0 > args.time_budget:

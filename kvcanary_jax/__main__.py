@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
         "Llama-3-8B's), config and tokenizer only: serve them with --load-format dummy",
     )  # fmt: skip
     tiny.add_argument("--arch", default="llama", help="the model family (tiny, random weights): llama (default), "
-                      "or another of kvcanary_jax.integrations.tiny_llama.ARCHS")  # fmt: skip
+                      "or another of kvcanary_jax.integrations.tiny_models.ARCHS")  # fmt: skip
     tiny.add_argument(
         "--draft", default=None, choices=("standalone", "eagle3", "dflash"),
         help="a draft model for the tiny Llama (sglang-jax's --speculative-draft-model-path): standalone (a 1-layer "
@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     )  # fmt: skip
     args = parser.parse_args(argv)
     if args.command == "tiny-model":
-        from kvcanary_jax.integrations import tiny_llama
+        from kvcanary_jax.integrations import tiny_llama, tiny_models
 
         if args.draft is not None and (args.size, args.arch) != ("tiny", "llama"):
             parser.error("--draft writes a draft for the tiny Llama: drop --size and --arch")
@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
             if args.draft is not None:
                 print(tiny_llama.write_tiny_model(args.dir, seed=args.seed, draft=args.draft))
             else:
-                print(tiny_llama.write_arch(args.dir, arch=args.arch, seed=args.seed, size=args.size))
+                print(tiny_models.write_arch(args.dir, arch=args.arch, seed=args.seed, size=args.size))
         except ValueError as err:
             parser.error(str(err))
         return 0

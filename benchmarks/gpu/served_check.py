@@ -18,6 +18,7 @@ import json
 import pathlib
 import re
 import shlex
+import signal
 import sys
 import tempfile
 import time
@@ -55,6 +56,7 @@ def main() -> int:
     p.add_argument("--engine-args", default="", help="more launch_server flags, one string (a later flag wins)")
     p.add_argument("--steps", default="equal,drill", help="equal: token equality off vs on vs all; drill: live_kv")
     args = p.parse_args()
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # a timeout stops the running server, as Ctrl-C does
     work = pathlib.Path(tempfile.mkdtemp(prefix="served_check_"))
     model = tiny_llama.write_tiny_model(work / "tiny")
     engine = ("--device", args.device, "--page-size", args.page_size, "--max-running-requests", "16",

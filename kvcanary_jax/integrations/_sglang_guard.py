@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import dataclasses
 import math
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -368,21 +370,15 @@ class SglangCanary:
 
     def precompile(self) -> int:
         """Compiles, before anything serves, every HEAD and TAIL program a forward can need: each kind (DECODE,
-        EXTEND / MIXED) at each plan size of :func:`capacity_ladder`, and the sweep. They run on a scratch state with
-        an all-padding batch: no record is written, no violation can come of it. Returns the programs compiled."""
+        EXTEND / MIXED) at each plan size of :func:`capacity_ladder`, and the sweep. They run on scratch states with
+        an all-padding batch: no record is written, no violation can come of it. The HEAD / TAIL pairs compile side by
+        side, one thread each (up to the host's cores): compiling releases the GIL. Returns the programs compiled."""
         before = sum(self.compiled_programs().values())
-        scratch = self._on_mesh(self.canary.init_state())
         arrays = self.pool_arrays()
-        write, verify = self.config.enable_write_input_assert, self.config.enable_verify_token_assert
-        for is_decode in (True, False):
-            fields, oracle = self._empty_batch(is_decode, write=write, verify=verify)
-            fields.update(self._steps.launch_extras())
-            for capacity in capacity_ladder(self.max_verify):
-                canary = self._sized_canary(capacity)
-                static = dict(canary=canary, view=self.view, layout=self.layout, is_decode=is_decode)
-                with jax.set_mesh(self.runner.mesh):
-                    scratch, _ = _head(scratch, fields, oracle, arrays, **static)
-                    scratch, _ = _tail(scratch, fields, oracle, arrays, **static)
+        jobs = [(is_decode, self._sized_canary(capacity))
+                for is_decode in (True, False) for capacity in capacity_ladder(self.max_verify)]  # fmt: skip
+        with concurrent.futures.ThreadPoolExecutor(max(1, min(len(jobs), os.cpu_count() or 1))) as pool:
+            scratch = list(pool.map(lambda job: self._precompile_pair(*job, arrays), jobs))[-1]
         if self.tree_cache is not None and self.config.sweep_interval > 0:
             plan = self.view.sweep_plan(self.canary, kc.SweepEntries.empty(), arrays)
             # after a TAIL (a launch's output) and after the first step's mark_init_finished (the state re-placed)
@@ -391,6 +387,17 @@ class SglangCanary:
                     scratch, _ = _sweep(state, plan, arrays, canary=self.canary, view=self.view)
         jax.block_until_ready(self.canary.mark_init_finished(scratch))
         return sum(self.compiled_programs().values()) - before
+
+    def _precompile_pair(self, is_decode: bool, canary: kc.KvCanary, arrays: dict):
+        """HEAD then TAIL of one kind and plan size on a scratch state (a thread of :meth:`precompile`)."""
+        write, verify = self.config.enable_write_input_assert, self.config.enable_verify_token_assert
+        fields, oracle = self._empty_batch(is_decode, write=write, verify=verify)
+        fields.update(self._steps.launch_extras())
+        static = dict(canary=canary, view=self.view, layout=self.layout, is_decode=is_decode)
+        with jax.set_mesh(self.runner.mesh):
+            scratch, _ = _head(self._on_mesh(self.canary.init_state()), fields, oracle, arrays, **static)
+            scratch, _ = _tail(scratch, fields, oracle, arrays, **static)
+        return jax.block_until_ready(scratch)
 
     def _empty_batch(self, is_decode: bool, *, write: bool, verify: bool) -> tuple[dict, dict]:
         """An all-padding batch of :attr:`shapes` (host fields and token oracle), as :func:`host_fields` pads."""

@@ -27,7 +27,7 @@ else:
 import kvcanary_jax as kc  # noqa: E402
 from kvcanary_jax import testing  # noqa: E402
 from kvcanary_jax.demo import sglang_engine, sglang_faults  # noqa: E402
-from kvcanary_jax.integrations import _sglang_mapping, _sglang_pools, sglang_cpu, tiny_llama  # noqa: E402
+from kvcanary_jax.integrations import _sglang_mapping, _sglang_pools, sglang_cpu, tiny_models  # noqa: E402
 from pallas_kernels import realkv  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
@@ -69,7 +69,7 @@ def concurrent(num: int = NUM_REQUESTS) -> list:
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
 def family(request, tmp_path_factory):
     spec = FAMILIES[request.param]
-    path = tiny_llama.write_arch(tmp_path_factory.mktemp(request.param), arch=request.param)
+    path = tiny_models.write_arch(tmp_path_factory.mktemp(request.param), arch=request.param)
     worker = family_worker(path, attention_backend=spec["attention_backend"], page_size=spec["page_size"],
                            **spec.get("engine", {}))  # fmt: skip
     return request.param, spec, worker
@@ -157,7 +157,7 @@ def test_pool_views_map_mla_and_hybrid_pools_and_refuse_the_dsa_indexer_by_name(
     for pool, name in [(mla, "MLATokenToKVPool"), (hybrid, "HybridLinearKVPool(MLATokenToKVPool)")]:
         view = _sglang_pools.pool_view(type("Runner", (), {"token_to_kv_pool": pool, "page_size": 4})())
         assert (view.name, view.num_slots, view.page_size) == (name, 20, 4)
-        assert view.canary_pool().with_v is False  # MLA: K only
+        assert view.canary_pool(max_rows=4).with_v is False  # MLA: K only
         assert view.arrays(pool)["full"] is mla.kv_buffer[0]  # the hybrid pool's inner (full-attention) pool
     mla.indexer_key_buffer = [jnp.zeros((5, 2, 2, 128), jnp.bfloat16)]
     runner = type("Runner", (), {"token_to_kv_pool": mla, "page_size": 4})()

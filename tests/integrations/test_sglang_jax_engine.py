@@ -64,6 +64,24 @@ def test_clean_run_is_silent_and_leaves_the_engine_unchanged(worker, monkeypatch
     assert {c for _, c in sized} <= {256, 512, 1024}, sized
 
 
+def test_precompile_leaves_no_program_to_compile_while_serving(worker, monkeypatch):
+    """``precompile`` (each kind at each plan size, compiled on threads side by side, and the sweep) covers every
+    launch a run with prefills, decodes, prefix hits and sweeps makes: no jit compiles after it."""
+    wrap, after = sglang_jax.wrap, {}
+
+    def wrap_and_precompile(*args, **kwargs):
+        guard = wrap(*args, **kwargs)
+        after["precompiled"] = guard.precompile()
+        after["programs"] = guard.compiled_programs()
+        return guard
+
+    monkeypatch.setattr(sglang_jax, "wrap", wrap_and_precompile)
+    run = sglang_faults.run(worker, None)
+    assert run.ok, run.note
+    assert after["programs"] == {name: jit._cache_size() for name, jit in _JITS.items()}
+    assert after["programs"]["head"] >= 2 and after["programs"]["sweep"] >= 1
+
+
 def test_a_step_is_two_launches_the_monitor_launches_none(worker, monkeypatch):
     """HEAD and TAIL (and the sweep when due); the monitor reads the snapshot the last of them returned. Before: a
     third launch per step, the monitor's own snapshot (it still takes one in final_check: the hook sees it)."""

@@ -17,7 +17,7 @@ else:
     pytest.importorskip("sgl_jax", reason="the sglang-jax extra is not installed")
 pytest.importorskip("openai")
 
-from kvcanary_jax.integrations import tiny_llama  # noqa: E402
+from kvcanary_jax.integrations import tiny_models  # noqa: E402
 from tests.integrations.serve_testlib import Server, total  # noqa: E402
 
 pytestmark = [pytest.mark.filterwarnings("ignore::DeprecationWarning"), pytest.mark.serve, pytest.mark.families]
@@ -26,7 +26,7 @@ _VIOLATION = re.compile(r"kvcanary violation: rid=(\S+) slot=(\d+) step=(\d+) la
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    return tiny_llama.write_arch(tmp_path_factory.mktemp("tiny_gemma2"), arch="gemma2")
+    return tiny_models.write_arch(tmp_path_factory.mktemp("tiny_gemma2"), arch="gemma2")
 
 
 def test_gemma2_serves_silent_then_a_live_kv_drill_is_named(model_dir, tmp_path):

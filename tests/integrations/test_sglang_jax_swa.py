@@ -18,7 +18,7 @@ else:
 
 import kvcanary_jax as kc  # noqa: E402
 from kvcanary_jax.demo import sglang_engine, sglang_faults  # noqa: E402
-from kvcanary_jax.integrations import _sglang_pools, sglang_jax, tiny_gemma2, tiny_llama  # noqa: E402
+from kvcanary_jax.integrations import _sglang_pools, sglang_jax, tiny_gemma2, tiny_models  # noqa: E402
 
 pytestmark = [pytest.mark.families, pytest.mark.filterwarnings("ignore::DeprecationWarning")]
 WINDOW = tiny_gemma2.SLIDING_WINDOW
@@ -27,7 +27,7 @@ WINDOW = tiny_gemma2.SLIDING_WINDOW
 @pytest.fixture(scope="module")
 def worker(tmp_path_factory):
     """The tiny Gemma 2's ModelWorker (its own random weights, page size 1)."""
-    path = tiny_llama.write_arch(tmp_path_factory.mktemp("tiny_gemma2"), arch="gemma2")
+    path = tiny_models.write_arch(tmp_path_factory.mktemp("tiny_gemma2"), arch="gemma2")
     return sglang_engine.build_worker(path, page_size=1, seed=0, load_format="auto")
 
 

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from kvcanary_jax import __main__ as cli_main
-from kvcanary_jax.integrations import tiny_llama
+from kvcanary_jax.integrations import tiny_llama, tiny_models
 
 
 def _config(path) -> dict:
@@ -54,9 +54,9 @@ def test_arch_flag_names_the_families_and_refuses_a_size_outside_llama(tmp_path,
     assert exit_info.value.code == 2
     assert "arch must be one of llama" in capsys.readouterr().err
     assert not (tmp_path / "x").exists()
-    for arch in set(tiny_llama.ARCHS) - {"llama"}:
+    for arch in set(tiny_models.ARCHS) - {"llama"}:
         with pytest.raises(ValueError, match=f"--size 1b is a Llama shape; it takes --arch llama, got --arch {arch}"):
-            tiny_llama.write_arch(tmp_path / arch, arch=arch, size="1b")
+            tiny_models.write_arch(tmp_path / arch, arch=arch, size="1b")
 
 
 @pytest.mark.parametrize("draft, arch", [("standalone", "LlamaForCausalLM"), ("eagle3", "LlamaForCausalLMEagle3"),
@@ -80,5 +80,7 @@ def test_cli_draft_flag_writes_weights_for_the_standalone_draft_only(tmp_path, c
     assert cli_main.main(["tiny-model", str(tmp_path / "e"), "--draft", "eagle3"]) == 0
     assert _config(tmp_path / "e")["draft_vocab_size"] is None and not (tmp_path / "e" / "model.safetensors").exists()
     assert (tmp_path / "e" / "tokenizer.json").exists()
-    assert cli_main.main(["tiny-model", str(tmp_path / "x"), "--draft", "eagle3", "--size", "1b"]) == 2
-    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_info:
+        cli_main.main(["tiny-model", str(tmp_path / "x"), "--draft", "eagle3", "--size", "1b"])
+    assert exit_info.value.code == 2
+    assert "--draft writes a draft for the tiny Llama: drop --size and --arch" in capsys.readouterr().err
