@@ -185,8 +185,7 @@ def validate_sources(
     if len(sources) > layout.MAX_REAL_KV_SOURCES:
         raise ValueError(f"{arg} holds at most {layout.MAX_REAL_KV_SOURCES} sources; got {len(sources)}")
     for i, src in enumerate(sources):
-        if not isinstance(src, RealKvSource):
-            raise TypeError(f"{arg}[{i}] must be a RealKvSource; got {type(src).__name__}")
+        checks.instance(f"{arg}[{i}]", src, RealKvSource)
         if src.num_token_slots < num_slots:
             raise ValueError(
                 f"{arg}[{i}] holds {src.num_token_slots} token slots (pages * page_size) but the canary buffer "

@@ -94,8 +94,7 @@ def fused_phase(
 
 def _check_common(state, tag, real_kv_sources, real_kv_hash_mode):
     """What the public ops check themselves; arrays, sources and the backend are ``pallas_kernels``' to check."""
-    if not isinstance(state, CanaryDeviceState):
-        raise TypeError(f"state must be a CanaryDeviceState; got {type(state).__name__}")
+    checks.instance("state", state, CanaryDeviceState)
     tag = checks.static_int("tag", tag, maximum=state.num_tags)
     mode = parse_real_kv_hash_mode(real_kv_hash_mode)
     if mode is not RealKvHashMode.NONE and isinstance(real_kv_sources, (tuple, list)) and not real_kv_sources:
@@ -147,8 +146,7 @@ def canary_verify(
     """
     tag, sources, mode = _check_common(state, tag, real_kv_sources, real_kv_hash_mode)
     canary_buf, plan = _host_arrays_to_jax((canary_buf, plan))
-    if not isinstance(plan, VerifyPlan):
-        raise TypeError(f"plan must be a VerifyPlan; got {type(plan).__name__}")
+    checks.instance("plan", plan, VerifyPlan)
     for name in ("num_valid", "enable"):
         checks.array(f"plan.{name}", getattr(plan, name), dtype=jnp.int32, shape=(1,))
     if not isinstance(check_expected_token, bool):
@@ -238,8 +236,7 @@ def canary_write(
             (canary_buf, plan, input_ids, positions, out_cache_loc, expected_input_tokens, expected_input_positions)
         )
     )
-    if not isinstance(plan, WritePlan):
-        raise TypeError(f"plan must be a WritePlan; got {type(plan).__name__}")
+    checks.instance("plan", plan, WritePlan)
     expected_inputs = _expected_inputs(input_ids, expected_input_tokens, expected_input_positions)
     checks.array("out_cache_loc", out_cache_loc, dtype=jnp.int32, ndim=1)  # before the ordering zero is added
     new_buf, chain = write_api.write(

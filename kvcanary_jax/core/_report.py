@@ -112,8 +112,7 @@ def read_violations(violation_log: ViolationLog) -> ViolationReport:
     ``is_errored = index > 0``; ``ring_valid_count = min(index, capacity)``; ``overflowed = index > capacity``;
     ``first_violation = ring[0]`` only when errored.
     """
-    if not isinstance(violation_log, ViolationLog):
-        raise TypeError(f"violation_log must be a ViolationLog; got {type(violation_log).__name__}")
+    checks.instance("violation_log", violation_log, ViolationLog)
     _check_log(violation_log)
     write_index = int(np.asarray(violation_log.violation_write_index).reshape(-1)[0])
     capacity = violation_log.ring_capacity
@@ -158,8 +157,7 @@ def format_violation(
     ``expected_token=-1`` included); ``step`` is the step at which the host read the row (SGLang's
     ``step_when_pumped``), ``written_step`` the step whose launches wrote it.
     """
-    if not isinstance(violation, Violation):
-        raise TypeError(f"violation must be a Violation (from read_violations); got {type(violation).__name__}")
+    checks.instance("violation", violation, Violation, what="Violation (from read_violations)")
     v = violation
     label = v.tag_label
     kind = (

@@ -89,8 +89,7 @@ class CanaryDeviceState:
         Raises:
           ValueError: for ``num_tags <= 0``, or missing pool sizes while the verify-token assert is on.
         """
-        if not isinstance(config, CanaryConfig):
-            raise TypeError(f"config must be a CanaryConfig; got {type(config).__name__}")
+        checks.instance("config", config, CanaryConfig)
         if not checks.is_int(num_tags) or num_tags <= 0:
             raise ValueError(f"CanaryDeviceState num_tags must be a positive int; got {num_tags=}")
         num_tags = int(num_tags)

@@ -51,10 +51,8 @@ class KvCanary:
     pool: _pool.CanaryPool
 
     def __post_init__(self):
-        if not isinstance(self.config, CanaryConfig):
-            raise TypeError(f"config must be a CanaryConfig; got {type(self.config).__name__}")
-        if not isinstance(self.pool, _pool.CanaryPool):
-            raise TypeError(f"pool must be a CanaryPool; got {type(self.pool).__name__}")
+        checks.instance("config", self.config, CanaryConfig)
+        checks.instance("pool", self.pool, _pool.CanaryPool)
         if self.config.enable_verify_token_assert and (self.pool.max_reqs is None or self.pool.max_context_len is None):
             raise ValueError(
                 "config.enable_verify_token_assert keeps an expected-token pool shaped like req_to_token; set "
@@ -280,8 +278,7 @@ class KvCanary:
             return state
         _checks.check_state(self.config, self.pool, state)
         _checks.check_sources(self.config, self.pool, kv_cache_sources)
-        if not isinstance(plan, _sweep.SweepPlan):
-            raise TypeError(f"plan must be a SweepPlan (see KvCanary.sweep_plan); got {type(plan).__name__}")
+        checks.instance("plan", plan, _sweep.SweepPlan, what="SweepPlan (see KvCanary.sweep_plan)")
         device = state.device
         if plan.issues is not None:  # before the launches, as the HEAD's input rows
             tag = self.groups[0].tag(Phase.SWEEP, Half.K)

@@ -65,8 +65,7 @@ def check_no_swa(pool: _pool.CanaryPool, op: str) -> None:
 def check_state(config: CanaryConfig, pool: _pool.CanaryPool, state) -> None:
     """``state`` is shaped as the ``init_state()`` of the canary of ``config`` and ``pool`` (a state of another
     canary reads out of range)."""
-    if not isinstance(state, CanaryState):
-        raise TypeError(f"state must be a CanaryState (from KvCanary.init_state); got {type(state).__name__}")
+    checks.instance("state", state, CanaryState, what="CanaryState (from KvCanary.init_state)")
     if not config.enabled:
         return
     hint = "it was allocated by another canary; use this canary's init_state()"
@@ -110,8 +109,7 @@ def checked_batch(config: CanaryConfig, pool: _pool.CanaryPool, state, batch) ->
     The values are checked in the step (:mod:`kvcanary_jax.runtime._inputs`).
     """
     check_state(config, pool, state)
-    if not isinstance(batch, CanaryBatch):
-        raise TypeError(f"batch must be a CanaryBatch; got {type(batch).__name__}")
+    checks.instance("batch", batch, CanaryBatch)
     arrays = {}
     for field in dataclasses.fields(CanaryBatch):
         x = getattr(batch, field.name)

@@ -136,8 +136,7 @@ class CanaryMonitor:
     def __init__(
         self, canary: KvCanary, *, log: logging.Logger | logging.LoggerAdapter | None = None, verbose: bool = False
     ):
-        if not isinstance(canary, KvCanary):
-            raise TypeError(f"canary must be a KvCanary; got {type(canary).__name__}")
+        checks.instance("canary", canary, KvCanary)
         if log is not None and not isinstance(log, (logging.Logger, logging.LoggerAdapter)):
             raise TypeError(f"log must be a logging.Logger or LoggerAdapter (or None); got log={log!r}")
         if not isinstance(verbose, bool):
@@ -168,11 +167,6 @@ class CanaryMonitor:
             self.log.warning(_unchecked_message(len(self._pending)))
             self._finalizer.detach()  # named once: not again at garbage collection
         return None
-
-    @property
-    def _index(self) -> int:
-        """Violations counted as of the last processed snapshot, over every arm (monotonic)."""
-        return self.cursor.total
 
     @property
     def total_violations(self) -> int:
@@ -316,8 +310,7 @@ class CanaryMonitor:
 
     def _check_state(self, state) -> None:
         """What the monitor reads: a CanaryState whose ring has the configured capacity."""
-        if not isinstance(state, CanaryState):
-            raise TypeError(f"state must be a CanaryState (the state the step returned); got {type(state).__name__}")
+        checks.instance("state", state, CanaryState, what="CanaryState (the state the step returned)")
         _checks.check_not_donated(state)
         capacity = state.device.violation_log.ring_capacity
         if capacity != self.config.ring_capacity:

@@ -45,8 +45,7 @@ def cross_shard_check(
     Returns:
       The state with one row per disagreeing entry, in entry order.
     """
-    if not isinstance(mesh_layout, MeshLayout):
-        raise TypeError(f"mesh_layout must be a MeshLayout; got {type(mesh_layout).__name__}")
+    checks.instance("mesh_layout", mesh_layout, MeshLayout)
     num_slots = checks.canary_buffer(canary_buf)
     checks.array("out_cache_loc", out_cache_loc, dtype=jnp.int32, ndim=1)
     tag = checks.static_int("tag", int(tag) if isinstance(tag, int) else tag, maximum=state.num_tags)

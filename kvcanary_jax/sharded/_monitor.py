@@ -66,8 +66,7 @@ class ShardedCanaryMonitor:
         report_on: int | None = None,
         verbose: bool = False,
     ):
-        if not isinstance(sharded, ShardedKvCanary):
-            raise TypeError(f"sharded must be a ShardedKvCanary; got {type(sharded).__name__}")
+        checks.instance("sharded", sharded, ShardedKvCanary)
         if report_on is not None and not (checks.is_int(report_on) and 0 <= report_on < jax.process_count()):
             raise ValueError(f"report_on must be a process index below {jax.process_count()} or None; got {report_on=}")
         if not isinstance(verbose, bool):
@@ -185,9 +184,7 @@ class ShardedCanaryMonitor:
                 kernel_run_counters=shards["kernel"][coords],
                 slot_run_counters=shards["slot"][coords],
             )  # fmt: skip
-            views[coords] = dataclasses.replace(
-                state, device=device, verify_overflows=shards["overflows"][coords]
-            )
+            views[coords] = dataclasses.replace(state, device=device, verify_overflows=shards["overflows"][coords])
         return views
 
     def _shards(self, x: jax.Array) -> dict[_layout.Coords, jax.Array]:

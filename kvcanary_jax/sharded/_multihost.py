@@ -181,5 +181,4 @@ class MultiProcessMonitor:
 
 
 def _check_state(state) -> None:
-    if not isinstance(state, CanaryState):
-        raise TypeError(f"state must be a CanaryState (the state the step returned); got {type(state).__name__}")
+    checks.instance("state", state, CanaryState, what="CanaryState (the state the step returned)")

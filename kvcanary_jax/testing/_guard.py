@@ -45,8 +45,7 @@ class CanaryGuard:
           state: a :class:`CanaryState` or :class:`CanaryDeviceState` (single-device or per-device).
           key: tells several canaries of one test apart.
         """
-        if not isinstance(state, _STATES):
-            raise TypeError(f"state must be a CanaryState or CanaryDeviceState; got {type(state).__name__}")
+        checks.instance("state", state, _STATES, what="CanaryState or CanaryDeviceState")
         if not checks.is_int(key):
             raise TypeError(f"key must be an int (one per canary of the test); got key={key!r}")
         log = state.violation_log

@@ -41,8 +41,7 @@ class BatchChecks(NamedTuple):
 def check_batch(batch: Batch) -> tuple[int, int]:
     """Checks a batch's arrays (int32, ranks, matching lengths) and the fields that go together, naming the field;
     returns ``(R, T)``. The runner checks its batches with it too."""
-    if not isinstance(batch, Batch):
-        raise TypeError(f"batch must be a pallas_kernels.phase.api.Batch; got {type(batch).__name__}")
+    checks.instance("batch", batch, Batch, what="pallas_kernels.phase.api.Batch")
     requests = {f"batch.{n}": getattr(batch, n) for n in ("req_pool_indices", "prefix_lens", "extend_lens")}
     for name, x in requests.items():
         checks.array(name, x, dtype=jnp.int32, ndim=1)
@@ -76,8 +75,7 @@ def check_batch(batch: Batch) -> tuple[int, int]:
 
 
 def _check_log(log: Log) -> None:
-    if not isinstance(log, Log):
-        raise TypeError(f"log must be a pallas_kernels.phase.api.Log; got {type(log).__name__}")
+    checks.instance("log", log, Log, what="pallas_kernels.phase.api.Log")
     checks.array("log.ring", log.ring, dtype=jnp.uint32, shape=(None, layout.VIOLATION_FIELDS, 2))
     if log.ring.shape[0] < 1:
         raise ValueError(f"log.ring needs at least one row; got log.ring.shape={tuple(log.ring.shape)}")
@@ -171,10 +169,11 @@ def run(
     _check_log(log)
     check_batch(batch)
     checks.array("enable_chain_position_assert", enable_chain_position_assert, dtype=jnp.int32, shape=(1,))
-    if not isinstance(spec, PhaseSpec):
-        raise TypeError(f"spec must be a pallas_kernels.phase.api.PhaseSpec; got {type(spec).__name__}")
+    checks.instance("spec", spec, PhaseSpec, what="pallas_kernels.phase.api.PhaseSpec")
     if len(spec.tags) != len(buffers):
-        raise ValueError(f"tags must hold one distinct launch tag per buffer; got {spec.tags} for {len(buffers)} buffers")
+        raise ValueError(
+            f"tags must hold one distinct launch tag per buffer; got {spec.tags} for {len(buffers)} buffers"
+        )
     for h, tag in enumerate(spec.tags):
         checks.static_int(f"tags[{h}]", tag, maximum=log.kernel_run_counters.shape[0])
     real_kv_sources = real_kv_sources if real_kv_sources is not None else ((),) * len(buffers)
