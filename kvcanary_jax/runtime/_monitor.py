@@ -14,10 +14,10 @@ import numpy as np
 from kvcanary_jax.core import _constants, _incidents, _report
 from kvcanary_jax.core._constants import CanaryMode
 from kvcanary_jax.core._state import u64_pairs_as_int64
-from kvcanary_jax.runtime import _checks, _health, _ring_cursor
+from kvcanary_jax.runtime import _health, _ring_cursor, _validate
 from kvcanary_jax.runtime._batch import CanaryState
 from kvcanary_jax.runtime._canary import KvCanary
-from pallas_kernels import checks
+from pallas_kernels import validate
 
 logger = logging.getLogger("kvcanary_jax.monitor")  # a stable name users filter on, whatever the module path
 
@@ -136,7 +136,7 @@ class CanaryMonitor:
     def __init__(
         self, canary: KvCanary, *, log: logging.Logger | logging.LoggerAdapter | None = None, verbose: bool = False
     ):
-        checks.instance("canary", canary, KvCanary)
+        validate.instance("canary", canary, KvCanary)
         if log is not None and not isinstance(log, (logging.Logger, logging.LoggerAdapter)):
             raise TypeError(f"log must be a logging.Logger or LoggerAdapter (or None); got log={log!r}")
         if not isinstance(verbose, bool):
@@ -209,7 +209,7 @@ class CanaryMonitor:
           KvCanaryHealthError: when a health check finds a tag that did not run.
         """
         self._check_state(state)
-        if step is not None and not checks.is_int(step):
+        if step is not None and not validate.is_int(step):
             raise TypeError(f"step must be an int; got step={step!r}")
         if snapshot is not None:
             _check_snapshot(snapshot)
@@ -310,8 +310,8 @@ class CanaryMonitor:
 
     def _check_state(self, state) -> None:
         """What the monitor reads: a CanaryState whose ring has the configured capacity."""
-        checks.instance("state", state, CanaryState, what="CanaryState (the state the step returned)")
-        _checks.check_not_donated(state)
+        validate.instance("state", state, CanaryState, what="CanaryState (the state the step returned)")
+        _validate.check_not_donated(state)
         capacity = state.device.violation_log.ring_capacity
         if capacity != self.config.ring_capacity:
             raise ValueError(

@@ -35,7 +35,7 @@ from kvcanary_jax.runtime import _pool, _sweep
 from kvcanary_jax.runtime._batch import CanaryBatch, CanaryState
 from kvcanary_jax.runtime._canary import KvCanary
 from kvcanary_jax.sharded import _check, _layout, _report
-from pallas_kernels import checks
+from pallas_kernels import validate
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,8 +55,8 @@ class ShardedKvCanary:
     mesh_layout: _layout.MeshLayout
 
     def __post_init__(self):
-        checks.instance("canary", self.canary, KvCanary)
-        checks.instance("mesh_layout", self.mesh_layout, _layout.MeshLayout)
+        validate.instance("canary", self.canary, KvCanary)
+        validate.instance("mesh_layout", self.mesh_layout, _layout.MeshLayout)
 
     @property
     def state_spec(self) -> PartitionSpec:

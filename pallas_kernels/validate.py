@@ -1,4 +1,4 @@
-"""Trace-time argument checks with messages that name the argument, the expectation and the value received."""
+"""Trace-time argument validation, with messages that name the argument, the expectation and the value received."""
 
 from __future__ import annotations
 
