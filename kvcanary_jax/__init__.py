@@ -5,7 +5,7 @@ plans; read reports; constants. ``kvcanary_jax.testing`` holds what a user's tes
 
 Privacy rule: a ``_name`` (module or definition) is private to the package that defines it, and each package's
 ``__init__.py`` lists its public names. Of the lower layer, this package imports only each op's ``api`` module
-(``pallas_kernels.<op>.api``) and the shared top-level modules (``pallas_kernels.backend``, ``checks``, ``hash64``,
+(``pallas_kernels.<op>.api``) and the shared top-level modules (``pallas_kernels.backend``, ``validate``, ``hash64``,
 ...), never an op's ``reference``, ``common`` or kernel modules.
 """
 

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from pallas_kernels import checks, hash64, layout, mesh
+from pallas_kernels import hash64, layout, mesh, validate
 
 _WORDS_PER_CHUNK = layout.REAL_KV_CHUNK_BYTES // 4
 _CHUNK = layout.REAL_KV_CHUNK_BYTES
@@ -56,7 +56,7 @@ class RealKvSource:
         row_bytes = _row_bytes(self.data)
         for name in _META_FIELDS:
             value = getattr(self, name)
-            if (value is not None or name == "page_size") and not checks.is_int(value):
+            if (value is not None or name == "page_size") and not validate.is_int(value):
                 raise TypeError(f"RealKvSource.{name} must be an int; got {name}={value!r}")
             object.__setattr__(self, name, None if value is None else int(value))
         if self.page_size < 1:
@@ -185,8 +185,7 @@ def validate_sources(
     if len(sources) > layout.MAX_REAL_KV_SOURCES:
         raise ValueError(f"{arg} holds at most {layout.MAX_REAL_KV_SOURCES} sources; got {len(sources)}")
     for i, src in enumerate(sources):
-        if not isinstance(src, RealKvSource):
-            raise TypeError(f"{arg}[{i}] must be a RealKvSource; got {type(src).__name__}")
+        validate.instance(f"{arg}[{i}]", src, RealKvSource)
         if src.num_token_slots < num_slots:
             raise ValueError(
                 f"{arg}[{i}] holds {src.num_token_slots} token slots (pages * page_size) but the canary buffer "

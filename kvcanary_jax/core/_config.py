@@ -6,7 +6,7 @@ import dataclasses
 
 from kvcanary_jax.core._constants import CanaryMode, RealKvHashMode
 from pallas_kernels import backend as backends
-from pallas_kernels import checks
+from pallas_kernels import validate
 
 _MODE_ALIASES = {"none": CanaryMode.OFF}  # SGLang spells "off" as --kv-canary none
 
@@ -32,7 +32,7 @@ def parse_real_kv_hash_mode(mode) -> RealKvHashMode:
             return RealKvHashMode[mode.strip().upper()]
         except KeyError:
             pass
-    elif checks.is_int(mode):
+    elif validate.is_int(mode):
         try:
             return RealKvHashMode(mode)
         except ValueError:
@@ -44,7 +44,7 @@ def parse_real_kv_hash_mode(mode) -> RealKvHashMode:
 def _check_int(config, name: str, minimum: int) -> None:
     """Field ``name`` must be an integer (Python or numpy) >= ``minimum``; it is stored as a Python int."""
     value = getattr(config, name)
-    if not checks.is_int(value) or value < minimum:
+    if not validate.is_int(value) or value < minimum:
         raise ValueError(f"{name} must be an int >= {minimum}; got {name}={value!r}")
     object.__setattr__(config, name, int(value))
 

@@ -21,7 +21,7 @@ from kvcanary_jax.core._config import parse_real_kv_hash_mode
 from kvcanary_jax.core._constants import RealKvHashMode
 from kvcanary_jax.core._plans import VerifyPlan, WritePlan
 from kvcanary_jax.core._state import CanaryDeviceState, ViolationLog
-from pallas_kernels import checks, hash64, layout, mesh, realkv, records, ring
+from pallas_kernels import hash64, layout, mesh, realkv, records, ring, validate
 from pallas_kernels.phase import api as phase_api
 from pallas_kernels.verify import api as verify_api
 from pallas_kernels.write import api as write_api
@@ -94,9 +94,8 @@ def fused_phase(
 
 def _check_common(state, tag, real_kv_sources, real_kv_hash_mode):
     """What the public ops check themselves; arrays, sources and the backend are ``pallas_kernels``' to check."""
-    if not isinstance(state, CanaryDeviceState):
-        raise TypeError(f"state must be a CanaryDeviceState; got {type(state).__name__}")
-    tag = checks.static_int("tag", tag, maximum=state.num_tags)
+    validate.instance("state", state, CanaryDeviceState)
+    tag = validate.static_int("tag", tag, maximum=state.num_tags)
     mode = parse_real_kv_hash_mode(real_kv_hash_mode)
     if mode is not RealKvHashMode.NONE and isinstance(real_kv_sources, (tuple, list)) and not real_kv_sources:
         raise ValueError(
@@ -147,10 +146,9 @@ def canary_verify(
     """
     tag, sources, mode = _check_common(state, tag, real_kv_sources, real_kv_hash_mode)
     canary_buf, plan = _host_arrays_to_jax((canary_buf, plan))
-    if not isinstance(plan, VerifyPlan):
-        raise TypeError(f"plan must be a VerifyPlan; got {type(plan).__name__}")
+    validate.instance("plan", plan, VerifyPlan)
     for name in ("num_valid", "enable"):
-        checks.array(f"plan.{name}", getattr(plan, name), dtype=jnp.int32, shape=(1,))
+        validate.array(f"plan.{name}", getattr(plan, name), dtype=jnp.int32, shape=(1,))
     if not isinstance(check_expected_token, bool):
         raise TypeError(f"check_expected_token must be a static bool; got {check_expected_token!r}")
     if check_expected_token and state.req_to_verify_expected_tokens is None:
@@ -238,10 +236,9 @@ def canary_write(
             (canary_buf, plan, input_ids, positions, out_cache_loc, expected_input_tokens, expected_input_positions)
         )
     )
-    if not isinstance(plan, WritePlan):
-        raise TypeError(f"plan must be a WritePlan; got {type(plan).__name__}")
+    validate.instance("plan", plan, WritePlan)
     expected_inputs = _expected_inputs(input_ids, expected_input_tokens, expected_input_positions)
-    checks.array("out_cache_loc", out_cache_loc, dtype=jnp.int32, ndim=1)  # before the ordering zero is added
+    validate.array("out_cache_loc", out_cache_loc, dtype=jnp.int32, ndim=1)  # before the ordering zero is added
     new_buf, chain = write_api.write(
         canary_buf,
         plan.write_offsets,
@@ -293,6 +290,6 @@ def _expected_inputs(input_ids, tokens, positions) -> tuple[jax.Array, jax.Array
         return None
     arrays = {"input_ids": input_ids, "expected_input_tokens": tokens, "expected_input_positions": positions}
     for name, x in arrays.items():
-        checks.array(name, x, dtype=jnp.int32, ndim=1)
-    checks.same_length(arrays)
+        validate.array(name, x, dtype=jnp.int32, ndim=1)
+    validate.same_length(arrays)
     return tokens, positions

@@ -10,7 +10,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import checks, mesh
+from pallas_kernels import mesh, validate
 from pallas_kernels.prefix import api as prefix
 
 
@@ -119,14 +119,14 @@ def build_plans(
     lut, pool, valid_lens = full_to_swa_index_mapping, req_to_verify_expected_tokens, expected_tokens_valid_lens
     batch = {"req_pool_indices": req_pool_indices, "prefix_lens": prefix_lens, "extend_lens": extend_lens}
     for name, x in batch.items():
-        checks.array(name, x, dtype=jnp.int32, ndim=1)
-    bs = checks.same_length(batch)
-    checks.array("req_to_token", req_to_token, dtype=jnp.int32, ndim=2)
+        validate.array(name, x, dtype=jnp.int32, ndim=1)
+    bs = validate.same_length(batch)
+    validate.array("req_to_token", req_to_token, dtype=jnp.int32, ndim=2)
     _non_empty("req_to_token", req_to_token)
-    checks.positive_int("verify_capacity", verify_capacity)
-    checks.positive_int("write_req_capacity", write_req_capacity)
-    checks.static_int("swa_window_size", swa_window_size)
-    checks.static_int("kv_token_id_vs_position_offset", kv_token_id_vs_position_offset, minimum=-(2**31))
+    validate.positive_int("verify_capacity", verify_capacity)
+    validate.positive_int("write_req_capacity", write_req_capacity)
+    validate.static_int("swa_window_size", swa_window_size)
+    validate.static_int("kv_token_id_vs_position_offset", kv_token_id_vs_position_offset, minimum=-(2**31))
     if bs < 1:
         raise ValueError(f"the batch needs at least one row (padding rows count); got req_pool_indices.shape={(bs,)}")
     if bs > write_req_capacity:
@@ -134,7 +134,7 @@ def build_plans(
     if swa_window_size > 0 and lut is None:
         raise ValueError(f"swa_window_size={swa_window_size} needs full_to_swa_index_mapping (the full->SWA LUT)")
     if lut is not None:
-        checks.array("full_to_swa_index_mapping", lut, dtype=jnp.int32, ndim=1)
+        validate.array("full_to_swa_index_mapping", lut, dtype=jnp.int32, ndim=1)
         _non_empty("full_to_swa_index_mapping", lut)
     if (pool is None) != (valid_lens is None):
         raise ValueError(
@@ -143,9 +143,9 @@ def build_plans(
             f"expected_tokens_valid_lens={'None' if valid_lens is None else 'an array'}"
         )
     if pool is not None:
-        checks.array("req_to_verify_expected_tokens", pool, dtype=jnp.int32, ndim=2)
+        validate.array("req_to_verify_expected_tokens", pool, dtype=jnp.int32, ndim=2)
         _non_empty("req_to_verify_expected_tokens", pool)
-        checks.array("expected_tokens_valid_lens", valid_lens, dtype=jnp.int32, shape=(bs,))
+        validate.array("expected_tokens_valid_lens", valid_lens, dtype=jnp.int32, shape=(bs,))
     active = req_pool_indices != 0  # SGLang's roles: row 0 is padding, and a padding row owns no tokens
     span_lens = jnp.where(active, jnp.maximum(extend_lens, 0), 0)
     max_context = req_to_token.shape[1]

@@ -10,7 +10,7 @@ from kvcanary_jax.core import _constants as constants
 from kvcanary_jax.core import _explain, _incidents
 from kvcanary_jax.core._constants import CanaryLaunchTag, FailReason
 from kvcanary_jax.core._state import ViolationLog, u64_pairs_as_int64
-from pallas_kernels import checks
+from pallas_kernels import validate
 
 _U64_MASK = (1 << 64) - 1
 _WRITE_BITS = FailReason.WRITE_TOKEN_MISMATCH | FailReason.WRITE_POSITION_MISMATCH
@@ -112,9 +112,8 @@ def read_violations(violation_log: ViolationLog) -> ViolationReport:
     ``is_errored = index > 0``; ``ring_valid_count = min(index, capacity)``; ``overflowed = index > capacity``;
     ``first_violation = ring[0]`` only when errored.
     """
-    if not isinstance(violation_log, ViolationLog):
-        raise TypeError(f"violation_log must be a ViolationLog; got {type(violation_log).__name__}")
-    _check_log(violation_log)
+    validate.instance("violation_log", violation_log, ViolationLog)
+    _validate_log(violation_log)
     write_index = int(np.asarray(violation_log.violation_write_index).reshape(-1)[0])
     capacity = violation_log.ring_capacity
     valid = max(0, min(write_index, capacity))
@@ -136,13 +135,13 @@ def read_violations(violation_log: ViolationLog) -> ViolationReport:
     )
 
 
-def _check_log(log: ViolationLog) -> None:
+def _validate_log(log: ViolationLog) -> None:
     """The log's arrays (numpy or jax) have the layout ``ViolationLog.allocate`` gives them."""
-    checks.array("violation_ring", log.violation_ring, dtype=np.uint32, shape=(None, constants.VIOLATION_FIELDS, 2))
-    checks.array("violation_write_index", log.violation_write_index, dtype=np.int32, shape=(1,))
+    validate.array("violation_ring", log.violation_ring, dtype=np.uint32, shape=(None, constants.VIOLATION_FIELDS, 2))
+    validate.array("violation_write_index", log.violation_write_index, dtype=np.int32, shape=(1,))
     if log.violation_context is not None:
         shape = (log.violation_ring.shape[0], constants.CONTEXT_FIELDS)
-        checks.array("violation_context", log.violation_context, dtype=np.int32, shape=shape)
+        validate.array("violation_context", log.violation_context, dtype=np.int32, shape=shape)
 
 
 def _hex(x: int) -> str:
@@ -158,8 +157,7 @@ def format_violation(
     ``expected_token=-1`` included); ``step`` is the step at which the host read the row (SGLang's
     ``step_when_pumped``), ``written_step`` the step whose launches wrote it.
     """
-    if not isinstance(violation, Violation):
-        raise TypeError(f"violation must be a Violation (from read_violations); got {type(violation).__name__}")
+    validate.instance("violation", violation, Violation, what="Violation (from read_violations)")
     v = violation
     label = v.tag_label
     kind = (

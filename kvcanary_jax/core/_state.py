@@ -15,7 +15,7 @@ import numpy as np
 
 from kvcanary_jax.core import _constants as constants
 from kvcanary_jax.core._config import CanaryConfig
-from pallas_kernels import checks
+from pallas_kernels import validate
 
 
 @jax.tree_util.register_dataclass
@@ -41,7 +41,7 @@ class ViolationLog:
         Raises:
           ValueError: if ``ring_capacity`` is not a positive int.
         """
-        if not checks.is_int(ring_capacity) or ring_capacity <= 0:
+        if not validate.is_int(ring_capacity) or ring_capacity <= 0:
             raise ValueError(f"ViolationLog ring_capacity must be a positive int; got {ring_capacity=}")
         ring_capacity = int(ring_capacity)
         return cls(
@@ -89,9 +89,8 @@ class CanaryDeviceState:
         Raises:
           ValueError: for ``num_tags <= 0``, or missing pool sizes while the verify-token assert is on.
         """
-        if not isinstance(config, CanaryConfig):
-            raise TypeError(f"config must be a CanaryConfig; got {type(config).__name__}")
-        if not checks.is_int(num_tags) or num_tags <= 0:
+        validate.instance("config", config, CanaryConfig)
+        if not validate.is_int(num_tags) or num_tags <= 0:
             raise ValueError(f"CanaryDeviceState num_tags must be a positive int; got {num_tags=}")
         num_tags = int(num_tags)
         pool = None
@@ -100,7 +99,7 @@ class CanaryDeviceState:
                 ("req_to_token_alloc_size", req_to_token_alloc_size),
                 ("max_context_len", max_context_len),
             ):
-                if not checks.is_int(value) or value <= 0:
+                if not validate.is_int(value) or value <= 0:
                     raise ValueError(
                         f"CanaryDeviceState.allocate needs a positive {name} when "
                         f"config.enable_verify_token_assert is on; got {name}={value!r}"
@@ -121,7 +120,7 @@ class CanaryDeviceState:
 
 def allocate_canary_buffer(num_slots: int) -> jax.Array:
     """A zeroed canary buffer ``u32[num_slots, 4, 2]``: one 32-byte record per KV slot (slot 0 is padding)."""
-    if not checks.is_int(num_slots) or num_slots <= 0:
+    if not validate.is_int(num_slots) or num_slots <= 0:
         raise ValueError(f"num_slots must be a positive int; got {num_slots=}")
     num_slots = int(num_slots)
     return jnp.zeros((num_slots, constants.CANARY_FIELDS_PER_SLOT, 2), jnp.uint32)
@@ -143,7 +142,7 @@ def records_as_int64(canary_buf) -> np.ndarray:
     Raises:
       TypeError, ValueError: if ``canary_buf`` is not a uint32 array of (lo, hi) pairs (numpy or jax).
     """
-    checks.array("canary_buf", canary_buf, dtype=jnp.uint32)
+    validate.array("canary_buf", canary_buf, dtype=jnp.uint32)
     shape = tuple(canary_buf.shape)
     if len(shape) < 2 or shape[-1] != 2:  # any (lo, hi) pairs read alike, e.g. counters u32[num_tags, 2]
         raise ValueError(

@@ -19,7 +19,7 @@ from kvcanary_jax.core._constants import RealKvHashMode
 from kvcanary_jax.core._ops import _host_arrays_to_jax, canary_verify
 from kvcanary_jax.core._plans import VerifyPlan
 from kvcanary_jax.core._state import CanaryDeviceState
-from pallas_kernels import checks, mesh, realkv
+from pallas_kernels import mesh, realkv, validate
 
 
 def _in_pool(slots: jax.Array, num_slots: int) -> jax.Array:
@@ -53,8 +53,8 @@ def snapshot_records(canary_buf: jax.Array, slots: jax.Array) -> jax.Array:
       ValueError, TypeError: for a buffer or slots of the wrong shape or dtype, or a host slot past the buffer.
     """
     canary_buf, slots = _host_arrays_to_jax((canary_buf, slots))
-    num_slots = checks.canary_buffer(canary_buf)
-    checks.array("slots", slots, dtype=jnp.int32, ndim=1)
+    num_slots = validate.canary_buffer(canary_buf)
+    validate.array("slots", slots, dtype=jnp.int32, ndim=1)
     _check_concrete_slots("slots", slots, num_slots)
     index = jnp.where(_in_pool(slots, num_slots), slots, num_slots)
     return canary_buf.at[index].get(mode="fill", fill_value=0)
@@ -79,9 +79,9 @@ def restore_records(canary_buf: jax.Array, records: jax.Array, slots: jax.Array)
       ValueError, TypeError: for arrays of the wrong shape or dtype (named), or a host slot past the buffer.
     """
     canary_buf, records, slots = _host_arrays_to_jax((canary_buf, records, slots))
-    num_slots = checks.canary_buffer(canary_buf)
-    checks.array("slots", slots, dtype=jnp.int32, ndim=1)
-    checks.array("records", records, dtype=jnp.uint32, shape=(slots.shape[0], 4, 2))
+    num_slots = validate.canary_buffer(canary_buf)
+    validate.array("slots", slots, dtype=jnp.int32, ndim=1)
+    validate.array("records", records, dtype=jnp.uint32, shape=(slots.shape[0], 4, 2))
     _check_concrete_slots("slots", slots, num_slots)
     return canary_buf.at[jnp.where(_in_pool(slots, num_slots), slots, num_slots)].set(records, mode="drop")
 
@@ -127,12 +127,12 @@ def restore_and_verify(
     canary_buf, records, slots, prev_slots, positions = _host_arrays_to_jax(
         (canary_buf, records, slots, prev_slots, positions)
     )
-    num_slots = checks.canary_buffer(canary_buf)
+    num_slots = validate.canary_buffer(canary_buf)
     entries = {"slots": slots, "prev_slots": prev_slots, "positions": positions}
     for name, x in entries.items():
-        checks.array(name, x, dtype=jnp.int32, ndim=1)
-    n = checks.same_length(entries)
-    checks.array("records", records, dtype=jnp.uint32, shape=(n, 4, 2))
+        validate.array(name, x, dtype=jnp.int32, ndim=1)
+    n = validate.same_length(entries)
+    validate.array("records", records, dtype=jnp.uint32, shape=(n, 4, 2))
     _check_concrete_slots("slots", slots, num_slots)
     _check_concrete_slots("prev_slots", prev_slots, num_slots)
     if not n:

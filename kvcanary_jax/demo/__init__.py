@@ -7,10 +7,8 @@ from kvcanary_jax.demo.allocator import SwaPool as SwaPool
 from kvcanary_jax.demo.batch import StepBatch as StepBatch
 from kvcanary_jax.demo.batch import oracle_token as oracle_token
 from kvcanary_jax.demo.loop import DemoSetup as DemoSetup
-from kvcanary_jax.demo.loop import DemoStats as DemoStats
 from kvcanary_jax.demo.loop import build_demo as build_demo
 from kvcanary_jax.demo.loop import demo_step as demo_step
-from kvcanary_jax.demo.loop import run_demo_steps as run_demo_steps
 from kvcanary_jax.demo.model import KvCache as KvCache
 from kvcanary_jax.demo.model import KvCacheLayout as KvCacheLayout
 from kvcanary_jax.demo.model import ModelConfig as ModelConfig
@@ -27,7 +25,6 @@ from kvcanary_jax.demo.scheduler import SchedulerConfig as SchedulerConfig
 __all__ = [
     "PADDING_SLOT",
     "DemoSetup",
-    "DemoStats",
     "KvCache",
     "KvCacheLayout",
     "ModelConfig",
@@ -47,5 +44,4 @@ __all__ = [
     "init_kv_cache",
     "init_params",
     "oracle_token",
-    "run_demo_steps",
 ]

@@ -5,7 +5,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -195,51 +194,3 @@ def _jitted_step(canary, layout, params, kv_cache, canary_state, batch):
 @functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=(2,))
 def _jitted_sweep(canary, layout, canary_state, plan, kv_cache):
     return canary.sweep(canary_state, plan, kv_sources(canary, layout, kv_cache))
-
-
-@dataclasses.dataclass(frozen=True)
-class DemoStats:
-    """What a demo run did; `scheduler` holds the scheduler's counters (prefix hits, evictions, ...)."""
-
-    steps: int
-    traces: int
-    reused_slots: int  # slots handed out more than once
-    wall_s: float
-    scheduler: dict[str, int]
-
-
-def run_demo_steps(
-    num_steps: int,
-    seed: int = 0,
-    swa: bool = False,
-    *,
-    setup: DemoSetup | None = None,
-    on_step: Callable[[batch_lib.StepBatch, jax.Array], None] | None = None,
-    **build_kwargs: Any,
-) -> DemoStats:
-    """Runs `num_steps` scheduler + model + canary steps and checks the step compiled exactly once.
-
-    Args:
-      num_steps: steps to run.
-      seed, swa, **build_kwargs: passed to `build_demo` (ignored when `setup` is given).
-      setup: an existing `DemoSetup` to drive; its `kv_cache` and `canary_state` are replaced as it runs.
-      on_step: called with each step's batch and logits f32[max_batch, vocab] (e.g. to compare to a reference).
-
-    Raises:
-      RuntimeError: if the step was traced more than once (a shape or dtype in the batch changed).
-      KvCanaryViolationError, KvCanaryHealthError: from the canary monitor.
-    """
-    s = setup or build_demo(seed, swa, **build_kwargs)
-    start = time.perf_counter()
-    for _ in range(num_steps):
-        s.step(on_logits=on_step)
-    jax.block_until_ready((s.kv_cache, s.canary_state))
-    if s.retraces:
-        raise RuntimeError(f"demo step retraced {s.retraces} time(s) after its first step")
-    return DemoStats(
-        steps=num_steps,
-        traces=s.traces,
-        reused_slots=int(np.count_nonzero(s.scheduler.slot_allocator.alloc_counts > 1)),
-        wall_s=time.perf_counter() - start,
-        scheduler=dict(s.scheduler.stats),
-    )

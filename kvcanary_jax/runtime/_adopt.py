@@ -25,7 +25,7 @@ from jax import lax
 from kvcanary_jax.core._constants import InputField, InputProblem
 from kvcanary_jax.runtime import _sweep
 from kvcanary_jax.runtime._inputs import Issues
-from pallas_kernels import checks, realkv
+from pallas_kernels import realkv, validate
 from pallas_kernels.write import api as write_api
 
 _FIELDS = ("slots", "tokens", "positions", "prev_slots")
@@ -115,10 +115,10 @@ class AdoptPlan:
         """Static checks (trace time): four i32 columns of one length (at least one entry) and an i32[1] count."""
         columns = {f"plan.{f}": getattr(self, f) for f in _FIELDS}
         for name, x in columns.items():
-            checks.array(name, x, dtype=jnp.int32, ndim=1)
-        if not checks.same_length(columns):
+            validate.array(name, x, dtype=jnp.int32, ndim=1)
+        if not validate.same_length(columns):
             raise ValueError("plan.slots needs at least one entry (shapes are static: pad it)")
-        checks.array("plan.num_valid", self.num_valid, dtype=jnp.int32, shape=(1,))
+        validate.array("plan.num_valid", self.num_valid, dtype=jnp.int32, shape=(1,))
 
 
 def pack(entries: AdoptEntries, num_slots: int, capacity: int | None = None) -> AdoptPlan:

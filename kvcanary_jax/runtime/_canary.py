@@ -1,7 +1,7 @@
 """``KvCanary``: wraps a jitted decode step with SGLang's HEAD (before forward) and TAIL (after forward) launches.
 
-This module is the public face; what runs in the step is :mod:`kvcanary_jax.runtime._step`, and what is checked
-at trace time :mod:`kvcanary_jax.runtime._checks`.
+This module is the public face; what runs in the step is :mod:`kvcanary_jax.runtime._step`, and what is
+validated at trace time :mod:`kvcanary_jax.runtime._validate`.
 
 Usage inside the user's step (donate the KV cache and the canary state)::
 
@@ -31,9 +31,9 @@ from kvcanary_jax.core import _ops
 from kvcanary_jax.core._config import CanaryConfig
 from kvcanary_jax.core._constants import CanaryLaunchTag, Half, Phase, RealKvHashMode
 from kvcanary_jax.core._state import CanaryDeviceState, allocate_canary_buffer
-from kvcanary_jax.runtime import _adopt, _checks, _inputs, _pool, _step, _sweep
+from kvcanary_jax.runtime import _adopt, _inputs, _pool, _step, _sweep, _validate
 from kvcanary_jax.runtime._batch import CanaryBatch, CanaryState
-from pallas_kernels import checks, mesh
+from pallas_kernels import mesh, validate
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,10 +51,8 @@ class KvCanary:
     pool: _pool.CanaryPool
 
     def __post_init__(self):
-        if not isinstance(self.config, CanaryConfig):
-            raise TypeError(f"config must be a CanaryConfig; got {type(self.config).__name__}")
-        if not isinstance(self.pool, _pool.CanaryPool):
-            raise TypeError(f"pool must be a CanaryPool; got {type(self.pool).__name__}")
+        validate.instance("config", self.config, CanaryConfig)
+        validate.instance("pool", self.pool, _pool.CanaryPool)
         if self.config.enable_verify_token_assert and (self.pool.max_reqs is None or self.pool.max_context_len is None):
             raise ValueError(
                 "config.enable_verify_token_assert keeps an expected-token pool shaped like req_to_token; set "
@@ -75,7 +73,7 @@ class KvCanary:
         """What a state's records mean: the pool and the config fields the launches read (not the host's mode,
         periods or backend, nor the pool's verify capacities, a per-forward sizing: any canary of the same records
         may differ in those)."""
-        return _checks.fingerprint(self.config, self.pool)
+        return _validate.fingerprint(self.config, self.pool)
 
     @property
     def halves(self) -> tuple[Half, ...]:
@@ -89,9 +87,9 @@ class KvCanary:
         """
         if not self.enabled:
             return ()
-        if isinstance(phases, (str, Phase)) or checks.is_int(phases):
+        if isinstance(phases, (str, Phase)) or validate.is_int(phases):
             phases = (phases,)
-        phases = tuple(_checks.parse_phase(p) for p in phases)
+        phases = tuple(_validate.parse_phase(p) for p in phases)
         phases = tuple(p for p in phases if p is not Phase.SWEEP or self.config.sweep_interval > 0)
         return tuple(sorted(g.tag(p, h) for g in self.groups for p in phases for h in self.halves))
 
@@ -166,7 +164,7 @@ class KvCanary:
 
     def mark_init_finished(self, state: CanaryState) -> CanaryState:
         """Turns on the write-time chain-position assert after warm-up; a device value, so nothing retraces."""
-        _checks.check_state(self.config, self.pool, state)
+        _validate.validate_state(self.config, self.pool, state)
         device = dataclasses.replace(state.device, enable_chain_position_assert=jnp.ones((1,), jnp.int32))
         return dataclasses.replace(state, device=device)
 
@@ -205,7 +203,7 @@ class KvCanary:
         """
         if not self.enabled:
             return state
-        batch = _checks.checked_batch(self.config, self.pool, state, batch)
+        batch = _validate.validated_batch(self.config, self.pool, state, batch)
         rows = _step.rows(self.config, self.pool, state, batch)
         state = _step.update_expected_tokens(self.config, state, batch, rows)
         for g in self.groups:
@@ -226,8 +224,8 @@ class KvCanary:
         """
         if not self.enabled:
             return state
-        batch = _checks.checked_batch(self.config, self.pool, state, batch)
-        _checks.check_sources(self.config, self.pool, kv_cache_sources)
+        batch = _validate.validated_batch(self.config, self.pool, state, batch)
+        _validate.validate_sources(self.config, self.pool, kv_cache_sources)
         # The HEAD's rows, recomputed: in one jit XLA computes them once.
         rows = _step.rows(self.config, self.pool, state, batch)
         for g in self.groups:
@@ -278,10 +276,9 @@ class KvCanary:
         """
         if not self.enabled:
             return state
-        _checks.check_state(self.config, self.pool, state)
-        _checks.check_sources(self.config, self.pool, kv_cache_sources)
-        if not isinstance(plan, _sweep.SweepPlan):
-            raise TypeError(f"plan must be a SweepPlan (see KvCanary.sweep_plan); got {type(plan).__name__}")
+        _validate.validate_state(self.config, self.pool, state)
+        _validate.validate_sources(self.config, self.pool, kv_cache_sources)
+        validate.instance("plan", plan, _sweep.SweepPlan, what="SweepPlan (see KvCanary.sweep_plan)")
         device = state.device
         if plan.issues is not None:  # before the launches, as the HEAD's input rows
             tag = self.groups[0].tag(Phase.SWEEP, Half.K)
@@ -313,7 +310,7 @@ class KvCanary:
           TypeError, ValueError: for a bad entry, named (see :func:`kvcanary_jax.runtime._adopt.pack`).
           NotImplementedError: the pool has an SWA group (its records are not adopted).
         """
-        _checks.check_no_swa(self.pool, "adopt_plan")
+        _validate.check_no_swa(self.pool, "adopt_plan")
         return _adopt.pack(entries, self.pool.num_slots, capacity)
 
     @mesh.entry_point("state", "plan")
@@ -330,9 +327,9 @@ class KvCanary:
         """
         if not self.enabled:
             return state
-        _checks.check_no_swa(self.pool, "adopt")
-        _checks.check_state(self.config, self.pool, state)
-        _checks.check_sources(self.config, self.pool, kv_cache_sources)
+        _validate.check_no_swa(self.pool, "adopt")
+        _validate.validate_state(self.config, self.pool, state)
+        _validate.validate_sources(self.config, self.pool, kv_cache_sources)
         if not isinstance(plan, _adopt.AdoptPlan):
             raise TypeError(f"plan must be an AdoptPlan (see KvCanary.adopt_plan); got {type(plan).__name__}")
         plan.check()

@@ -14,10 +14,10 @@ import numpy as np
 from kvcanary_jax.core import _constants, _incidents, _report
 from kvcanary_jax.core._constants import CanaryMode
 from kvcanary_jax.core._state import u64_pairs_as_int64
-from kvcanary_jax.runtime import _checks, _health, _ring_cursor
+from kvcanary_jax.runtime import _health, _ring_cursor, _validate
 from kvcanary_jax.runtime._batch import CanaryState
 from kvcanary_jax.runtime._canary import KvCanary
-from pallas_kernels import checks
+from pallas_kernels import validate
 
 logger = logging.getLogger("kvcanary_jax.monitor")  # a stable name users filter on, whatever the module path
 
@@ -136,8 +136,7 @@ class CanaryMonitor:
     def __init__(
         self, canary: KvCanary, *, log: logging.Logger | logging.LoggerAdapter | None = None, verbose: bool = False
     ):
-        if not isinstance(canary, KvCanary):
-            raise TypeError(f"canary must be a KvCanary; got {type(canary).__name__}")
+        validate.instance("canary", canary, KvCanary)
         if log is not None and not isinstance(log, (logging.Logger, logging.LoggerAdapter)):
             raise TypeError(f"log must be a logging.Logger or LoggerAdapter (or None); got log={log!r}")
         if not isinstance(verbose, bool):
@@ -168,11 +167,6 @@ class CanaryMonitor:
             self.log.warning(_unchecked_message(len(self._pending)))
             self._finalizer.detach()  # named once: not again at garbage collection
         return None
-
-    @property
-    def _index(self) -> int:
-        """Violations counted as of the last processed snapshot, over every arm (monotonic)."""
-        return self.cursor.total
 
     @property
     def total_violations(self) -> int:
@@ -215,7 +209,7 @@ class CanaryMonitor:
           KvCanaryHealthError: when a health check finds a tag that did not run.
         """
         self._check_state(state)
-        if step is not None and not checks.is_int(step):
+        if step is not None and not validate.is_int(step):
             raise TypeError(f"step must be an int; got step={step!r}")
         if snapshot is not None:
             _check_snapshot(snapshot)
@@ -316,9 +310,8 @@ class CanaryMonitor:
 
     def _check_state(self, state) -> None:
         """What the monitor reads: a CanaryState whose ring has the configured capacity."""
-        if not isinstance(state, CanaryState):
-            raise TypeError(f"state must be a CanaryState (the state the step returned); got {type(state).__name__}")
-        _checks.check_not_donated(state)
+        validate.instance("state", state, CanaryState, what="CanaryState (the state the step returned)")
+        _validate.check_not_donated(state)
         capacity = state.device.violation_log.ring_capacity
         if capacity != self.config.ring_capacity:
             raise ValueError(

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvcanary_jax.core._constants import CanaryLaunchTag, Half, Phase, PoolKind, launch_tag
-from pallas_kernels import checks, realkv
+from pallas_kernels import realkv, validate
 from pallas_kernels.realkv import RealKvSource, check_kv_dtype
 
 PADDINGS = ("negative", "reserved", "none")
@@ -18,7 +18,7 @@ PADDINGS = ("negative", "reserved", "none")
 def _positive(obj, cls_name: str, name: str) -> None:
     """Checks that field ``name`` is a positive integer (Python or numpy) and stores it as a Python int."""
     value = getattr(obj, name)
-    if not checks.is_int(value) or value <= 0:
+    if not validate.is_int(value) or value <= 0:
         raise ValueError(f"{cls_name}.{name} must be a positive int; got {name}={value!r}")
     object.__setattr__(obj, name, int(value))
 
@@ -100,7 +100,7 @@ class CanaryPool:
             raise TypeError(f"CanaryPool.swa must be a SwaGroup or None; got {type(self.swa).__name__}")
         if not isinstance(self.with_v, bool):
             raise TypeError(f"CanaryPool.with_v must be a bool; got with_v={self.with_v!r}")
-        if not checks.is_int(self.kv_token_id_vs_position_offset):
+        if not validate.is_int(self.kv_token_id_vs_position_offset):
             raise TypeError(
                 f"kv_token_id_vs_position_offset must be an int; got {self.kv_token_id_vs_position_offset!r}"
             )

@@ -14,7 +14,7 @@ from kvcanary_jax.core import _ops
 from kvcanary_jax.core._config import CanaryConfig
 from kvcanary_jax.core._constants import Phase
 from kvcanary_jax.runtime import _pool
-from kvcanary_jax.runtime._batch import CanaryBatch, CanaryState
+from kvcanary_jax.runtime._batch import CanaryState
 from pallas_kernels.batch_checks import api as batch_checks
 from pallas_kernels.phase import api as phase_api
 
@@ -23,7 +23,7 @@ def forward_phase(
     config: CanaryConfig,
     pool: _pool.CanaryPool,
     state: CanaryState,
-    batch: CanaryBatch,
+    batch: phase_api.ValidBatch,
     rows: batch_checks.Checked | None,
     g: _pool.Group,
     phase: Phase,
@@ -86,7 +86,7 @@ def phase_spec(config: CanaryConfig, pool: _pool.CanaryPool, g: _pool.Group, pha
 
 
 def rows(
-    config: CanaryConfig, pool: _pool.CanaryPool, state: CanaryState, batch: CanaryBatch
+    config: CanaryConfig, pool: _pool.CanaryPool, state: CanaryState, batch: phase_api.ValidBatch
 ) -> batch_checks.Checked | None:
     """The batch checks (the lower layer's ``batch_checks`` op; :mod:`._inputs` says what they check): the rows'
     roles and each group's ``INVALID_INPUT`` candidates. The op has no Mosaic kernel: on TPU it runs its jnp
@@ -114,7 +114,7 @@ def rows(
 
 
 def update_expected_tokens(
-    config: CanaryConfig, state: CanaryState, batch: CanaryBatch, rows: batch_checks.Checked
+    config: CanaryConfig, state: CanaryState, batch: phase_api.ValidBatch, rows: batch_checks.Checked
 ) -> CanaryState:
     """Scatters the batched requests' token history into the expected-token pool (SGLang's snapshot scatter)."""
     if not config.enable_verify_token_assert:

@@ -35,6 +35,7 @@ from kvcanary_jax.runtime import _pool, _sweep
 from kvcanary_jax.runtime._batch import CanaryBatch, CanaryState
 from kvcanary_jax.runtime._canary import KvCanary
 from kvcanary_jax.sharded import _check, _layout, _report
+from pallas_kernels import validate
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,10 +55,8 @@ class ShardedKvCanary:
     mesh_layout: _layout.MeshLayout
 
     def __post_init__(self):
-        if not isinstance(self.canary, KvCanary):
-            raise TypeError(f"canary must be a KvCanary; got {type(self.canary).__name__}")
-        if not isinstance(self.mesh_layout, _layout.MeshLayout):
-            raise TypeError(f"mesh_layout must be a MeshLayout; got {type(self.mesh_layout).__name__}")
+        validate.instance("canary", self.canary, KvCanary)
+        validate.instance("mesh_layout", self.mesh_layout, _layout.MeshLayout)
 
     @property
     def state_spec(self) -> PartitionSpec:

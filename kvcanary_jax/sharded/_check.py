@@ -19,7 +19,7 @@ from kvcanary_jax.core import _ring
 from kvcanary_jax.core._constants import FailReason
 from kvcanary_jax.core._state import CanaryDeviceState
 from kvcanary_jax.sharded._layout import MeshLayout
-from pallas_kernels import checks, hash64, layout, records, ring
+from pallas_kernels import hash64, layout, records, ring, validate
 
 PEER_SHIFT = 32  # the peer's TP index lives in the high word of fail_reason_bits
 
@@ -45,11 +45,10 @@ def cross_shard_check(
     Returns:
       The state with one row per disagreeing entry, in entry order.
     """
-    if not isinstance(mesh_layout, MeshLayout):
-        raise TypeError(f"mesh_layout must be a MeshLayout; got {type(mesh_layout).__name__}")
-    num_slots = checks.canary_buffer(canary_buf)
-    checks.array("out_cache_loc", out_cache_loc, dtype=jnp.int32, ndim=1)
-    tag = checks.static_int("tag", int(tag) if isinstance(tag, int) else tag, maximum=state.num_tags)
+    validate.instance("mesh_layout", mesh_layout, MeshLayout)
+    num_slots = validate.canary_buffer(canary_buf)
+    validate.array("out_cache_loc", out_cache_loc, dtype=jnp.int32, ndim=1)
+    tag = validate.static_int("tag", int(tag) if isinstance(tag, int) else tag, maximum=state.num_tags)
     if mesh_layout.tp_axis is None:
         return state
     num_entries = out_cache_loc.shape[0]

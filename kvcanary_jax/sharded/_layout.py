@@ -20,6 +20,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from pallas_kernels import validate
+
 Coords = tuple[int, ...]
 
 
@@ -37,8 +39,7 @@ class MeshLayout:
     tp_axis: str | None = None
 
     def __post_init__(self):
-        if not isinstance(self.mesh, Mesh):
-            raise TypeError(f"mesh must be a jax.sharding.Mesh; got {type(self.mesh).__name__}")
+        validate.instance("mesh", self.mesh, Mesh, what="jax.sharding.Mesh")
         if self.tp_axis is not None and self.tp_axis not in self.mesh.axis_names:
             raise ValueError(f"tp_axis must be a mesh axis ({self.mesh.axis_names}) or None; got {self.tp_axis=}")
 

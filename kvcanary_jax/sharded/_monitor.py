@@ -24,7 +24,7 @@ from kvcanary_jax.runtime._batch import CanaryState
 from kvcanary_jax.sharded import _layout, _multihost
 from kvcanary_jax.sharded import _report as _sharded_report
 from kvcanary_jax.sharded._canary import ShardedKvCanary
-from pallas_kernels import checks
+from pallas_kernels import validate
 
 _VIOLATION_PREFIX = ("kv_canary violation:", "kv-canary incident #")  # SGLang's frozen first line; an incident
 
@@ -66,9 +66,8 @@ class ShardedCanaryMonitor:
         report_on: int | None = None,
         verbose: bool = False,
     ):
-        if not isinstance(sharded, ShardedKvCanary):
-            raise TypeError(f"sharded must be a ShardedKvCanary; got {type(sharded).__name__}")
-        if report_on is not None and not (checks.is_int(report_on) and 0 <= report_on < jax.process_count()):
+        validate.instance("sharded", sharded, ShardedKvCanary)
+        if report_on is not None and not (validate.is_int(report_on) and 0 <= report_on < jax.process_count()):
             raise ValueError(f"report_on must be a process index below {jax.process_count()} or None; got {report_on=}")
         if not isinstance(verbose, bool):
             raise TypeError(f"verbose must be a bool; got verbose={verbose!r}")
@@ -185,9 +184,7 @@ class ShardedCanaryMonitor:
                 kernel_run_counters=shards["kernel"][coords],
                 slot_run_counters=shards["slot"][coords],
             )  # fmt: skip
-            views[coords] = dataclasses.replace(
-                state, device=device, verify_overflows=shards["overflows"][coords]
-            )
+            views[coords] = dataclasses.replace(state, device=device, verify_overflows=shards["overflows"][coords])
         return views
 
     def _shards(self, x: jax.Array) -> dict[_layout.Coords, jax.Array]:

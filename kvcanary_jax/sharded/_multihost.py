@@ -27,7 +27,7 @@ from kvcanary_jax.runtime._batch import CanaryState
 from kvcanary_jax.sharded import _layout
 from kvcanary_jax.sharded import _report as _sharded_report
 from kvcanary_jax.sharded._canary import ShardedKvCanary
-from pallas_kernels import checks
+from pallas_kernels import validate
 
 
 def spans_processes(mesh_layout: _layout.MeshLayout) -> bool:
@@ -84,7 +84,7 @@ class MultiProcessMonitor:
     def after_step(self, state: CanaryState, *, step: int | None = None) -> None:
         """Dispatches this step's poll and processes the one from ``check_lag_steps`` steps ago, on every process."""
         _check_state(state)
-        if step is not None and not checks.is_int(step):
+        if step is not None and not validate.is_int(step):
             raise TypeError(f"step must be an int; got step={step!r}")
         self.step += 1
         self.user_step = None if step is None else int(step)
@@ -181,5 +181,4 @@ class MultiProcessMonitor:
 
 
 def _check_state(state) -> None:
-    if not isinstance(state, CanaryState):
-        raise TypeError(f"state must be a CanaryState (the state the step returned); got {type(state).__name__}")
+    validate.instance("state", state, CanaryState, what="CanaryState (the state the step returned)")

@@ -14,7 +14,7 @@ from kvcanary_jax.core._constants import FailReason
 from kvcanary_jax.core._state import ViolationLog
 from kvcanary_jax.runtime import _monitor
 from kvcanary_jax.sharded import _check, _layout
-from pallas_kernels import layout
+from pallas_kernels import layout, validate
 
 _HOST_NAME_BYTES = 64
 
@@ -195,8 +195,7 @@ def read_sharded_violations(
       hosts: every process's host name, by process index, named in the report's device lines. None: gathered
         (:func:`host_names`) when the mesh spans processes, else none named.
     """
-    if not isinstance(violation_log, ViolationLog):
-        raise TypeError(f"violation_log must be a ViolationLog; got {type(violation_log).__name__}")
+    validate.instance("violation_log", violation_log, ViolationLog)
     ring = violation_log.violation_ring
     if isinstance(ring, jax.Array) and not ring.is_fully_addressable:
         violation_log = multihost_utils.process_allgather(violation_log, tiled=True)

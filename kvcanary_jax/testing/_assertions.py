@@ -14,7 +14,7 @@ from kvcanary_jax.core._report import Violation, ViolationReport, format_violati
 from kvcanary_jax.core._state import CanaryDeviceState, ViolationLog
 from kvcanary_jax.runtime._batch import CanaryState
 from kvcanary_jax.sharded._report import ShardedViolationReport
-from pallas_kernels import checks
+from pallas_kernels import validate
 
 Checkable = CanaryState | CanaryDeviceState | ViolationLog | ViolationReport | ShardedViolationReport
 
@@ -56,7 +56,7 @@ def assert_no_violations(x: Checkable, *, step: int | None = None) -> None:
       AssertionError: naming the total count, the first incident's headline and its root row's report (whose
         first line is SGLang's ``kv_canary violation: ...`` log line).
     """
-    if step is not None and not checks.is_int(step):
+    if step is not None and not validate.is_int(step):
         raise TypeError(f"step must be an int; got step={step!r}")
     errored = [(where, r) for where, r in _reports(x) if r.is_errored]
     if not errored:
@@ -97,12 +97,12 @@ def expect_violation(
         except KeyError:
             raise ValueError(f"tag must be a CanaryLaunchTag or one of its names; got tag={tag!r}") from None
     elif tag is not None:  # a tag no launch has would never match: say so instead
-        if not checks.is_int(tag) or int(tag) not in CanaryLaunchTag._value2member_map_:
+        if not validate.is_int(tag) or int(tag) not in CanaryLaunchTag._value2member_map_:
             raise ValueError(f"tag must be a CanaryLaunchTag, one of its names or values; got tag={tag!r}")
         tag = CanaryLaunchTag(int(tag))
     if reason is not None:
         reason = FailReason.parse(reason)
-    if slot is not None and not checks.is_int(slot):
+    if slot is not None and not validate.is_int(slot):
         raise TypeError(f"slot must be an int (a row's slot_idx); got slot={slot!r}")
     rows = [v for _, r in _reports(x) for v in r.violations]
     for v in rows:

@@ -34,7 +34,7 @@ from jax import lax
 
 from kvcanary_jax.core._constants import CanaryLaunchTag, FailReason, Half, Phase, PoolKind, launch_tag
 from kvcanary_jax.runtime._pool import check_paged_kv
-from pallas_kernels import checks, mesh
+from pallas_kernels import mesh, validate
 
 
 class FaultKind(enum.Enum):
@@ -94,7 +94,7 @@ def _flip_bytes(kv: jax.Array, page: jax.Array, cols: jax.Array) -> jax.Array:
 
 
 def _check_byte(byte: int, bytes_per_token: int) -> int:
-    if not checks.is_int(byte) or not 0 <= byte < bytes_per_token:
+    if not validate.is_int(byte) or not 0 <= byte < bytes_per_token:
         raise ValueError(f"byte must be an int in [0, {bytes_per_token}) (bytes per token); got {byte=}")
     return int(byte)
 
@@ -113,7 +113,7 @@ def _check_index(name: str, value, size: int, what: str) -> None:
         if isinstance(value, jax.core.Tracer):
             return
         value = int(value)
-    elif not checks.is_int(value):
+    elif not validate.is_int(value):
         raise TypeError(f"{name} must be an integer scalar; got {name}={value!r}")
     if not 0 <= value < size:
         raise ValueError(f"{name} must be in [0, {size}) ({what}); got {name}={value}")
@@ -121,8 +121,8 @@ def _check_index(name: str, value, size: int, what: str) -> None:
 
 def _paged(kv, page_size) -> tuple[jax.Array, int]:
     """``kv`` checked to be laid out ``[pages, page_size, ...]`` (numpy becomes jax), and its bytes per token."""
-    page_size = checks.positive_int("page_size", page_size)
-    checks.array("kv", kv)
+    page_size = validate.positive_int("page_size", page_size)
+    validate.array("kv", kv)
     kv = check_paged_kv("kv", kv, page_size, num_slots=0)
     return jnp.asarray(kv), _token_row_bytes(kv, page_size)
 
@@ -185,7 +185,7 @@ def corrupt_page(kv: jax.Array, page: jax.Array, *, page_size: int, byte: int = 
 
 def _int_array(name: str, x, ndim: int) -> jax.Array:
     x = jnp.asarray(x) if isinstance(x, (list, tuple, np.ndarray)) else x
-    checks.array(name, x, ndim=ndim)
+    validate.array(name, x, ndim=ndim)
     if not jnp.issubdtype(x.dtype, jnp.integer):
         raise TypeError(f"{name} must be an integer array; got {name}.dtype={jnp.dtype(x.dtype).name}")
     return x
@@ -200,7 +200,7 @@ def remap_slot(req_to_token: jax.Array, pool_row: int, position: int, new_slot: 
     table = _int_array("req_to_token", req_to_token, ndim=2)
     _check_index("pool_row", pool_row, table.shape[0], "rows of req_to_token")
     _check_index("position", position, table.shape[1], "columns of req_to_token")
-    if not (checks.is_int(new_slot) or (hasattr(new_slot, "dtype") and jnp.issubdtype(new_slot.dtype, jnp.integer))):
+    if not (validate.is_int(new_slot) or (hasattr(new_slot, "dtype") and jnp.issubdtype(new_slot.dtype, jnp.integer))):
         raise TypeError(f"new_slot must be an integer; got new_slot={new_slot!r}")
     with mesh.context(table):
         index = (jnp.asarray([pool_row], jnp.int32), jnp.asarray([position], jnp.int32))
@@ -213,7 +213,7 @@ def swap_tokens(input_ids: jax.Array, i: int, j: int) -> jax.Array:
     input_ids = _int_array("input_ids", input_ids, ndim=1)
     for name, value in (("i", i), ("j", j)):
         _check_index(name, value, input_ids.shape[0], "token entries of input_ids")
-    if checks.is_int(i) and checks.is_int(j) and i == j:
+    if validate.is_int(i) and validate.is_int(j) and i == j:
         raise ValueError(f"i and j must be two different token entries; got i=j={i}")
     with mesh.context(input_ids):
         swapped = mesh.take(input_ids, (jnp.asarray([j, i], jnp.int32),))

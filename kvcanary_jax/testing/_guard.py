@@ -12,7 +12,7 @@ import jax.numpy as jnp
 from kvcanary_jax.core._state import CanaryDeviceState, ViolationLog
 from kvcanary_jax.runtime._batch import CanaryState
 from kvcanary_jax.testing import _assertions
-from pallas_kernels import checks
+from pallas_kernels import validate
 
 _STATES = (CanaryState, CanaryDeviceState)
 
@@ -45,9 +45,8 @@ class CanaryGuard:
           state: a :class:`CanaryState` or :class:`CanaryDeviceState` (single-device or per-device).
           key: tells several canaries of one test apart.
         """
-        if not isinstance(state, _STATES):
-            raise TypeError(f"state must be a CanaryState or CanaryDeviceState; got {type(state).__name__}")
-        if not checks.is_int(key):
+        validate.instance("state", state, _STATES, what="CanaryState or CanaryDeviceState")
+        if not validate.is_int(key):
             raise TypeError(f"key must be an int (one per canary of the test); got key={key!r}")
         log = state.violation_log
         self._logs[key] = jax.tree.map(jnp.copy, log)

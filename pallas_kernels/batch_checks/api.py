@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import backend as backends
-from pallas_kernels import checks
+from pallas_kernels import validate
 from pallas_kernels.batch_checks import pallas_triton, reference
 
 Checked = reference.Checked
@@ -67,13 +67,15 @@ def check(
       ValueError, TypeError: for a wrong shape, dtype or static argument, naming it.
     """
     arrays = (req_pool_indices, prefix_lens, extend_lens, out_cache_loc, token_ids_lens)
-    static = validate(arrays, Static(padding, table_rows, context_len, num_slots, token_ids_width))
+    static = validate_arguments(arrays, Static(padding, table_rows, context_len, num_slots, token_ids_width))
     lut = full_to_swa_index_mapping
     if (lut is None) != (swa_num_slots is None):
-        raise ValueError("full_to_swa_index_mapping and swa_num_slots check an SWA group's slots: give both, or neither")
+        raise ValueError(
+            "full_to_swa_index_mapping and swa_num_slots check an SWA group's slots: give both, or neither"
+        )
     if lut is not None:
-        checks.array("full_to_swa_index_mapping", lut, dtype=jnp.int32, ndim=1)
-        swa_num_slots = checks.positive_int("swa_num_slots", swa_num_slots)
+        validate.array("full_to_swa_index_mapping", lut, dtype=jnp.int32, ndim=1)
+        swa_num_slots = validate.positive_int("swa_num_slots", swa_num_slots)
 
     def xla(*arrays):
         return reference.check(*arrays, **static)
@@ -98,7 +100,7 @@ def check(
     return checked._replace(swa_issues=swa)
 
 
-def validate(arrays: tuple[jax.Array | None, ...], static: Static) -> dict:
+def validate_arguments(arrays: tuple[jax.Array | None, ...], static: Static) -> dict:
     """Checks :func:`check`'s arguments (those of the FULL group), naming the one that is wrong; returns the static
     ones, normalised, as keywords of ``reference.check``. A fused launch that runs the checks calls it too.
 
@@ -111,11 +113,11 @@ def validate(arrays: tuple[jax.Array | None, ...], static: Static) -> dict:
     padding, table_rows, context_len, num_slots, token_ids_width = static
     rows = {"req_pool_indices": req_pool_indices, "prefix_lens": prefix_lens, "extend_lens": extend_lens}
     for name, x in rows.items():
-        checks.array(name, x, dtype=jnp.int32, ndim=1)
-    num_rows = checks.same_length(rows)
+        validate.array(name, x, dtype=jnp.int32, ndim=1)
+    num_rows = validate.same_length(rows)
     if num_rows < 1:
         raise ValueError(f"the batch needs at least one row; got req_pool_indices.shape={(num_rows,)}")
-    checks.array("out_cache_loc", out_cache_loc, dtype=jnp.int32, ndim=1)
+    validate.array("out_cache_loc", out_cache_loc, dtype=jnp.int32, ndim=1)
     if num_rows * (out_cache_loc.shape[0] + 1) >= _INT32_LIMIT:  # the spans' sums (reference.span_lens) in int32
         raise ValueError(
             "the batch is too large for int32 span sums: req_pool_indices.shape[0] * (out_cache_loc.shape[0] + 1) "
@@ -123,14 +125,14 @@ def validate(arrays: tuple[jax.Array | None, ...], static: Static) -> dict:
         )
     if padding not in PADDINGS:
         raise ValueError(f"padding must be one of {PADDINGS}; got {padding=!r}")
-    table_rows = checks.positive_int("table_rows", table_rows)
-    context_len = checks.positive_int("context_len", context_len)
-    num_slots = checks.positive_int("num_slots", num_slots)
+    table_rows = validate.positive_int("table_rows", table_rows)
+    context_len = validate.positive_int("context_len", context_len)
+    num_slots = validate.positive_int("num_slots", num_slots)
     if token_ids_width is not None:
-        token_ids_width = checks.static_int("token_ids_width", token_ids_width, maximum=_INT32_LIMIT - 1)
+        token_ids_width = validate.static_int("token_ids_width", token_ids_width, maximum=_INT32_LIMIT - 1)
         if token_ids_lens is None:
             raise ValueError(f"token_ids_width={token_ids_width} needs token_ids_lens (each row's token history)")
-        checks.array("token_ids_lens", token_ids_lens, dtype=jnp.int32, shape=(num_rows,))
+        validate.array("token_ids_lens", token_ids_lens, dtype=jnp.int32, shape=(num_rows,))
     elif token_ids_lens is not None:
         raise ValueError("token_ids_lens is checked against token_ids_width: give both, or neither")
     return dict(

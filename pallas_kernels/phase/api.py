@@ -10,13 +10,14 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import backend as backends
-from pallas_kernels import checks, layout, realkv
+from pallas_kernels import layout, realkv, validate
 from pallas_kernels.batch_checks import api as batch_checks_api
 from pallas_kernels.batch_checks import pallas_triton as batch_checks_triton
 from pallas_kernels.batch_checks import reference as batch_checks_reference
 from pallas_kernels.phase import common, pallas_mosaic, pallas_triton, reference
 
 Batch = common.Batch
+ValidBatch = common.ValidBatch
 Log = common.Log
 PhaseSpec = common.PhaseSpec
 INPUT_ISSUE_FIELDS = common.INPUT_ISSUE_FIELDS  # the rows of ``input_issues``
@@ -38,18 +39,20 @@ class BatchChecks(NamedTuple):
     report: bool = False
 
 
-def check_batch(batch: Batch) -> tuple[int, int]:
-    """Checks a batch's arrays (int32, ranks, matching lengths) and the fields that go together, naming the field;
-    returns ``(R, T)``. The runner checks its batches with it too."""
-    if not isinstance(batch, Batch):
-        raise TypeError(f"batch must be a pallas_kernels.phase.api.Batch; got {type(batch).__name__}")
+def validate_batch(batch: Batch) -> ValidBatch:
+    """Validates a batch's arrays (int32, ranks, matching lengths) and the fields that go together, naming the
+    field; returns it as a :class:`ValidBatch` (a ValidBatch is returned as it is). The runner validates its
+    batches with it once a step, at its entry; :func:`run` then takes them as they are."""
+    if isinstance(batch, ValidBatch):
+        return batch
+    validate.instance("batch", batch, Batch, what="pallas_kernels.phase.api.Batch")
     requests = {f"batch.{n}": getattr(batch, n) for n in ("req_pool_indices", "prefix_lens", "extend_lens")}
     for name, x in requests.items():
-        checks.array(name, x, dtype=jnp.int32, ndim=1)
-    num_reqs = checks.same_length(requests)
+        validate.array(name, x, dtype=jnp.int32, ndim=1)
+    num_reqs = validate.same_length(requests)
     if num_reqs < 1:
         raise ValueError(f"the batch needs at least one request row; got req_pool_indices.shape={(num_reqs,)}")
-    checks.array("batch.req_to_token", batch.req_to_token, dtype=jnp.int32, ndim=2)
+    validate.array("batch.req_to_token", batch.req_to_token, dtype=jnp.int32, ndim=2)
     if 0 in batch.req_to_token.shape:  # the plans gather from it (clamping), so each axis needs an entry
         raise ValueError(
             "batch.req_to_token needs at least one row and one column; got "
@@ -60,35 +63,34 @@ def check_batch(batch: Batch) -> tuple[int, int]:
         names += ("expected_input_ids",) + (("expected_positions",) if batch.expected_positions is not None else ())
     tokens = {f"batch.{n}": getattr(batch, n) for n in names}
     for name, x in tokens.items():
-        checks.array(name, x, dtype=jnp.int32, ndim=1)
-    num_tokens = checks.same_length(tokens)
+        validate.array(name, x, dtype=jnp.int32, ndim=1)
+    validate.same_length(tokens)
     if batch.full_to_swa_index_mapping is not None:
-        checks.array("batch.full_to_swa_index_mapping", batch.full_to_swa_index_mapping, dtype=jnp.int32, ndim=1)
+        validate.array("batch.full_to_swa_index_mapping", batch.full_to_swa_index_mapping, dtype=jnp.int32, ndim=1)
     if (batch.token_ids is None) != (batch.token_ids_lens is None):
         raise ValueError("batch.token_ids and batch.token_ids_lens turn on the verify-token check together")
     if batch.token_ids is not None:
-        checks.array("batch.token_ids", batch.token_ids, dtype=jnp.int32, ndim=2)
-        checks.array("batch.token_ids_lens", batch.token_ids_lens, dtype=jnp.int32, shape=(num_reqs,))
+        validate.array("batch.token_ids", batch.token_ids, dtype=jnp.int32, ndim=2)
+        validate.array("batch.token_ids_lens", batch.token_ids_lens, dtype=jnp.int32, shape=(num_reqs,))
     for name in ("active", "span_lens"):
         if getattr(batch, name) is not None:
-            checks.array(f"batch.{name}", getattr(batch, name), dtype=jnp.int32, shape=(num_reqs,))
-    return num_reqs, num_tokens
+            validate.array(f"batch.{name}", getattr(batch, name), dtype=jnp.int32, shape=(num_reqs,))
+    return ValidBatch(**{field.name: getattr(batch, field.name) for field in dataclasses.fields(Batch)})
 
 
-def _check_log(log: Log) -> None:
-    if not isinstance(log, Log):
-        raise TypeError(f"log must be a pallas_kernels.phase.api.Log; got {type(log).__name__}")
-    checks.array("log.ring", log.ring, dtype=jnp.uint32, shape=(None, layout.VIOLATION_FIELDS, 2))
+def _validate_log(log: Log) -> None:
+    validate.instance("log", log, Log, what="pallas_kernels.phase.api.Log")
+    validate.array("log.ring", log.ring, dtype=jnp.uint32, shape=(None, layout.VIOLATION_FIELDS, 2))
     if log.ring.shape[0] < 1:
         raise ValueError(f"log.ring needs at least one row; got log.ring.shape={tuple(log.ring.shape)}")
-    checks.array("log.write_index", log.write_index, dtype=jnp.int32, shape=(1,))
-    checks.array("log.kernel_run_counters", log.kernel_run_counters, dtype=jnp.uint32, shape=(None, 2))
+    validate.array("log.write_index", log.write_index, dtype=jnp.int32, shape=(1,))
+    validate.array("log.kernel_run_counters", log.kernel_run_counters, dtype=jnp.uint32, shape=(None, 2))
     shape = tuple(log.kernel_run_counters.shape)
-    checks.array("log.slot_run_counters", log.slot_run_counters, dtype=jnp.uint32, shape=shape)
+    validate.array("log.slot_run_counters", log.slot_run_counters, dtype=jnp.uint32, shape=shape)
     if log.context is not None:
-        checks.array("log.context", log.context, dtype=jnp.int32, shape=(log.ring.shape[0], 3))
+        validate.array("log.context", log.context, dtype=jnp.int32, shape=(log.ring.shape[0], 3))
     if log.verify_overflows is not None:
-        checks.array("log.verify_overflows", log.verify_overflows, dtype=jnp.int32, shape=(1,))
+        validate.array("log.verify_overflows", log.verify_overflows, dtype=jnp.int32, shape=(1,))
 
 
 def phase(
@@ -164,19 +166,20 @@ def run(
     buffers = tuple(buffers) if isinstance(buffers, (tuple, list)) else buffers
     if not isinstance(buffers, tuple) or len(buffers) not in (1, 2):
         raise ValueError(f"buffers must be a tuple of one or two canary buffers (K, V); got {buffers!r:.80}")
-    num_slots = {checks.canary_buffer(b, f"buffers[{h}]") for h, b in enumerate(buffers)}
+    num_slots = {validate.canary_buffer(b, f"buffers[{h}]") for h, b in enumerate(buffers)}
     if len(num_slots) != 1:
         raise ValueError(f"the K and V buffers of a group must have the same num_slots; got {sorted(num_slots)}")
     (num_slots,) = num_slots
-    _check_log(log)
-    check_batch(batch)
-    checks.array("enable_chain_position_assert", enable_chain_position_assert, dtype=jnp.int32, shape=(1,))
-    if not isinstance(spec, PhaseSpec):
-        raise TypeError(f"spec must be a pallas_kernels.phase.api.PhaseSpec; got {type(spec).__name__}")
+    _validate_log(log)
+    batch = validate_batch(batch)
+    validate.array("enable_chain_position_assert", enable_chain_position_assert, dtype=jnp.int32, shape=(1,))
+    validate.instance("spec", spec, PhaseSpec, what="pallas_kernels.phase.api.PhaseSpec")
     if len(spec.tags) != len(buffers):
-        raise ValueError(f"tags must hold one distinct launch tag per buffer; got {spec.tags} for {len(buffers)} buffers")
+        raise ValueError(
+            f"tags must hold one distinct launch tag per buffer; got {spec.tags} for {len(buffers)} buffers"
+        )
     for h, tag in enumerate(spec.tags):
-        checks.static_int(f"tags[{h}]", tag, maximum=log.kernel_run_counters.shape[0])
+        validate.static_int(f"tags[{h}]", tag, maximum=log.kernel_run_counters.shape[0])
     real_kv_sources = real_kv_sources if real_kv_sources is not None else ((),) * len(buffers)
     if not isinstance(real_kv_sources, (tuple, list)) or len(real_kv_sources) != len(buffers):
         raise ValueError(f"real_kv_sources must hold one tuple of sources per buffer; got {real_kv_sources!r:.80}")
@@ -185,7 +188,7 @@ def run(
         for h, s in enumerate(real_kv_sources)
     )
     if input_issues is not None:
-        checks.array("input_issues", input_issues, dtype=jnp.int32, shape=(len(INPUT_ISSUE_FIELDS), None))
+        validate.array("input_issues", input_issues, dtype=jnp.int32, shape=(len(INPUT_ISSUE_FIELDS), None))
         if input_issues.shape[1] == 0:
             input_issues = None
     if spec.window > 0 and batch.full_to_swa_index_mapping is None:
@@ -233,7 +236,7 @@ def _checks_static(batch_checks: BatchChecks | None, batch: Batch, input_issues,
     rows = (batch.req_pool_indices, batch.prefix_lens, batch.extend_lens, batch.out_cache_loc, None)
     table_rows, context_len = batch.req_to_token.shape
     static = batch_checks_api.Static(batch_checks.padding, table_rows, context_len, full_slots)
-    return batch_checks_api.validate(rows, static)
+    return batch_checks_api.validate_arguments(rows, static)
 
 
 def _with_checks(batch_checks: BatchChecks | None, static: dict | None, batch: Batch, issues):

@@ -13,7 +13,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import checks, hash64, issues, layout, records
+from pallas_kernels import hash64, issues, layout, records, validate
 
 # Per-token write flags of the chain walk (one i32 word per token and half).
 FLAG_WRITTEN = 1
@@ -67,17 +67,17 @@ class PhaseSpec:
             raise ValueError(f"tags must hold one distinct launch tag per buffer; got {tags=}")
         # int(): a CanaryLaunchTag becomes a plain int; a bool stays, so static_int rejects it.
         tags = tuple(
-            checks.static_int(f"tags[{h}]", t if isinstance(t, bool) or not isinstance(t, int) else int(t))
+            validate.static_int(f"tags[{h}]", t if isinstance(t, bool) or not isinstance(t, int) else int(t))
             for h, t in enumerate(tags)
         )
         object.__setattr__(self, "tags", tags)
-        mode = checks.static_int("real_kv_hash_mode", self.real_kv_hash_mode, maximum=layout.REAL_KV_ALL + 1)
+        mode = validate.static_int("real_kv_hash_mode", self.real_kv_hash_mode, maximum=layout.REAL_KV_ALL + 1)
         object.__setattr__(self, "real_kv_hash_mode", mode)
-        checks.positive_int("verify_capacity", self.verify_capacity)
-        checks.static_int("window", self.window)
-        checks.static_int("token_offset", self.token_offset, minimum=-(2**31))
+        validate.positive_int("verify_capacity", self.verify_capacity)
+        validate.static_int("window", self.window)
+        validate.static_int("token_offset", self.token_offset, minimum=-(2**31))
         if self.full_slots is not None:
-            object.__setattr__(self, "full_slots", checks.positive_int("full_slots", self.full_slots))
+            object.__setattr__(self, "full_slots", validate.positive_int("full_slots", self.full_slots))
         for name in ("check_table", "skip_bad_requests"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool; got {getattr(self, name)!r}")
@@ -120,6 +120,14 @@ class Batch:
     token_ids_lens: jax.Array | None = None
     active: jax.Array | None = None
     span_lens: jax.Array | None = None
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class ValidBatch(Batch):
+    """A :class:`Batch` that ``api.validate_batch`` passed: ``api.run`` takes it as it is, without validating it
+    again. Replace its fields only with arrays of the shapes and dtypes validated (the runner fills in the config's
+    choices and the batch checks' roles)."""
 
 
 def with_roles(batch: Batch) -> Batch:

@@ -5,7 +5,7 @@ TPU has Mosaic kernels for the verify and write launches, so a phase is the refe
 with the halves' verify bits, chain walks and stores taken from those kernels, three launches that each serve
 every half: the plan, the skipped tokens and the ``INVALID_INPUT`` rows are :func:`reference.prepare`'s, the rows
 are read from the buffers before the stores (:func:`reference.verify_rows`, ordered by
-:func:`reference.loaded_after`), and :func:`reference.finish` places every row in one ring update and bumps the
+:func:`reads.loaded_after`), and :func:`reference.finish` places every row in one ring update and bumps the
 counters. The bytes are the reference's.
 """
 
@@ -14,7 +14,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from pallas_kernels import fusion
-from pallas_kernels.phase import reference
+from pallas_kernels.phase import reads, reference
 from pallas_kernels.verify import pallas_mosaic as verify_kernels
 from pallas_kernels.write import pallas_mosaic as write_kernels
 
@@ -26,7 +26,7 @@ def phase(
     interpret mode (any platform)."""
     p = reference.prepare(buffers, log, batch, input_issues, spec)
     plan, check, capacity = p.plan, p.batch.token_ids is not None, log.ring.shape[0]
-    loaded = reference.load_halves(buffers, plan)  # every record the rows read, before any store
+    loaded = reads.load_halves(buffers, plan)  # every record the rows read, before any store
     num_reqs = jnp.full((1,), p.batch.req_pool_indices.shape[0], jnp.int32)
     pending = list(p.pending)
     all_bits = verify_kernels.verify_bits_of_buffers(  # both halves in one launch, before any store
@@ -52,7 +52,7 @@ def phase(
         num_reqs,
         p.batch.input_ids,
         p.batch.positions,
-        p.loc + reference.loaded_after(loaded) + fusion.zero_after(all_bits[0]),  # after the reads (one launch)
+        p.loc + reads.loaded_after(loaded) + fusion.zero_after(all_bits[0]),  # after the reads (one launch)
         enable_chain_position_assert,
         real_kv_sources=real_kv_sources,
         real_kv_hash_mode=spec.real_kv_hash_mode,

@@ -427,3 +427,8 @@ def store_row(ring_ref, target: jax.Array, mask: jax.Array, fields: list[hash64.
     if context_ref is not None:
         for c, value in enumerate(context):
             plt.store(context_ref.at[target, jnp.full(target.shape, c, jnp.int32)], value, mask=mask)
+
+
+def stash_row(h: int, b, k, st: Static):
+    """Row of the stash holding the k-th flagged verify row of block ``b``, half ``h``."""
+    return (h * st.num_blocks + b) * st.config.verify_block + k

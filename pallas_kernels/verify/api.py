@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import backend as backends
-from pallas_kernels import checks, layout, mesh, realkv
+from pallas_kernels import layout, mesh, realkv, validate
 from pallas_kernels.verify import pallas_mosaic, pallas_triton, reference
 
 
@@ -45,13 +45,13 @@ def verify(
         "expected_positions": expected_positions,
         "prev_slot_indices": prev_slot_indices,
     }
-    num_slots = checks.canary_buffer(canary_buf)
+    num_slots = validate.canary_buffer(canary_buf)
     for arg, x in entries.items():
-        checks.array(arg, x, dtype=jnp.int32, ndim=1)
-    checks.same_length(entries)
-    checks.array("num_active", num_active, dtype=jnp.int32, shape=())
+        validate.array(arg, x, dtype=jnp.int32, ndim=1)
+    validate.same_length(entries)
+    validate.array("num_active", num_active, dtype=jnp.int32, shape=())
     sources = realkv.validate_sources(real_kv_sources, num_slots=num_slots)
-    checks.static_int("real_kv_hash_mode", real_kv_hash_mode, maximum=layout.REAL_KV_ALL + 1)
+    validate.static_int("real_kv_hash_mode", real_kv_hash_mode, maximum=layout.REAL_KV_ALL + 1)
     if not isinstance(check_expected_token, bool):
         raise TypeError(f"check_expected_token must be a static bool; got {check_expected_token!r}")
     static = dict(real_kv_hash_mode=real_kv_hash_mode, check_expected_token=check_expected_token)

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import backend as backends
-from pallas_kernels import checks, layout, mesh, realkv, records
+from pallas_kernels import layout, mesh, realkv, records, validate
 from pallas_kernels.write import pallas_mosaic, pallas_triton, reference, store
 
 
@@ -55,18 +55,18 @@ def write(
       NotImplementedError: ``"pallas"`` lowered for a platform other than GPU or TPU; a kernel backend given
         inputs with an explicit mesh sharding.
     """
-    num_slots = checks.canary_buffer(canary_buf)
-    checks.array("seed_slot_indices", seed_slot_indices, dtype=jnp.int32, ndim=1)
+    num_slots = validate.canary_buffer(canary_buf)
+    validate.array("seed_slot_indices", seed_slot_indices, dtype=jnp.int32, ndim=1)
     num_reqs = seed_slot_indices.shape[0]
-    checks.array("write_offsets", write_offsets, dtype=jnp.int32, shape=(num_reqs + 1,))
+    validate.array("write_offsets", write_offsets, dtype=jnp.int32, shape=(num_reqs + 1,))
     for arg, x in (("num_valid_reqs", num_valid_reqs), ("enable_chain_position_assert", enable_chain_position_assert)):
-        checks.array(arg, x, dtype=jnp.int32, shape=(1,))
+        validate.array(arg, x, dtype=jnp.int32, shape=(1,))
     tokens = {"input_ids": input_ids, "positions": positions, "out_cache_loc": out_cache_loc}
     for arg, x in tokens.items():
-        checks.array(arg, x, dtype=jnp.int32, ndim=1)
-    checks.same_length(tokens)
+        validate.array(arg, x, dtype=jnp.int32, ndim=1)
+    validate.same_length(tokens)
     sources = realkv.validate_sources(real_kv_sources, num_slots=num_slots)
-    checks.static_int("real_kv_hash_mode", real_kv_hash_mode, maximum=layout.REAL_KV_ALL + 1)
+    validate.static_int("real_kv_hash_mode", real_kv_hash_mode, maximum=layout.REAL_KV_ALL + 1)
 
     launch = reference.Launch(
         write_offsets, seed_slot_indices, num_valid_reqs, input_ids, positions, out_cache_loc,

@@ -1,4 +1,11 @@
-"""Tests for the demo model: paged attention equals dense attention, and the jitted donated step never retraces."""
+"""Tests for the demo model: paged attention equals dense attention, and the jitted donated step never retraces.
+
+``run_demo_steps`` (the test rig) drives the demo's scheduler, model and canary for a number of steps."""
+
+import dataclasses
+import time
+from collections.abc import Callable
+from typing import Any
 
 import chex
 import jax
@@ -10,6 +17,54 @@ from kvcanary_jax import demo
 from kvcanary_jax.demo import batch as batch_lib
 
 NUM_SLOTS, MAX_REQS, CTX, MAX_BATCH, MAX_TOKENS, WINDOW = 128, 6, 48, 5, 64, 6
+
+
+@dataclasses.dataclass(frozen=True)
+class DemoStats:
+    """What a demo run did; `scheduler` holds the scheduler's counters (prefix hits, evictions, ...)."""
+
+    steps: int
+    traces: int
+    reused_slots: int  # slots handed out more than once
+    wall_s: float
+    scheduler: dict[str, int]
+
+
+def run_demo_steps(
+    num_steps: int,
+    seed: int = 0,
+    swa: bool = False,
+    *,
+    setup: demo.DemoSetup | None = None,
+    on_step: Callable[[demo.StepBatch, jax.Array], None] | None = None,
+    **build_kwargs: Any,
+) -> DemoStats:
+    """Runs `num_steps` scheduler + model + canary steps and checks the step compiled exactly once.
+
+    Args:
+      num_steps: steps to run.
+      seed, swa, **build_kwargs: passed to `build_demo` (ignored when `setup` is given).
+      setup: an existing `DemoSetup` to drive; its `kv_cache` and `canary_state` are replaced as it runs.
+      on_step: called with each step's batch and logits f32[max_batch, vocab] (e.g. to compare to a reference).
+
+    Raises:
+      RuntimeError: if the step was traced more than once (a shape or dtype in the batch changed).
+      KvCanaryViolationError, KvCanaryHealthError: from the canary monitor.
+    """
+    s = setup or demo.build_demo(seed, swa, **build_kwargs)
+    start = time.perf_counter()
+    for _ in range(num_steps):
+        s.step(on_logits=on_step)
+    jax.block_until_ready((s.kv_cache, s.canary_state))
+    if s.retraces:
+        raise RuntimeError(f"demo step retraced {s.retraces} time(s) after its first step")
+    return DemoStats(
+        steps=num_steps,
+        traces=s.traces,
+        reused_slots=int(np.count_nonzero(s.scheduler.slot_allocator.alloc_counts > 1)),
+        wall_s=time.perf_counter() - start,
+        scheduler=dict(s.scheduler.stats),
+    )
 
 
 def _dense_last_logits(params, token_ids, lens, kv_dtype):
@@ -75,7 +130,7 @@ def test_demo_loop_matches_dense_every_step(swa):
         ref = np.asarray(dense(setup.params, batch.req_to_token_ids[batch.req_pool_indices]))
         errors.append(np.abs(np.asarray(logits)[real] - ref[np.arange(len(last)), last][real]).max())
 
-    stats = demo.run_demo_steps(50, setup=setup, on_step=on_step)
+    stats = run_demo_steps(50, setup=setup, on_step=on_step)
     assert max(errors) < 1e-4, f"paged logits drift from dense at step {int(np.argmax(errors))}"
     assert stats.scheduler["prefix_hit_tokens"] > 0 and stats.scheduler["evicted_slots"] > 0
     assert stats.reused_slots > 0 and stats.traces <= 1
@@ -96,5 +151,5 @@ def test_jitted_donated_step_does_not_retrace():
         assert old.k[0].is_deleted(), "the KV cache was not donated"
         sched.commit(None)
     assert np.isfinite(np.asarray(logits)).all()
-    stats = demo.run_demo_steps(12, 2, kv_dtype=jnp.bfloat16)
+    stats = run_demo_steps(12, 2, kv_dtype=jnp.bfloat16)
     assert stats.traces <= 1 and stats.steps == 12

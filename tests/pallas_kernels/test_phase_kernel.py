@@ -12,7 +12,8 @@ import pytest
 from pallas_kernels import layout
 from pallas_kernels.batch_checks import api as checks_api
 from pallas_kernels.batch_checks import pallas_triton as checks_triton
-from pallas_kernels.phase import api, common, pallas_triton, reference
+from pallas_kernels.phase import api, common, pallas_triton
+from pallas_kernels.phase import plan as plans
 from pallas_kernels.write import store
 from tests.pallas_kernels import kernel_cases as cases
 from tests.pallas_kernels.phase_cases import RING_STARTS, Shape, make_case, with_bad_rows
@@ -227,7 +228,7 @@ def test_skip_rejected_requests_by_pairs_or_by_scatter(monkeypatch, pairwise_max
         group_slots = buffers[0].shape[0]
         offsets = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(batch.span_lens, dtype=jnp.int32)])
         lut, lut_size = common.lut_reader(batch.full_to_swa_index_mapping)
-        got = reference.skip_rejected_requests(
+        got = plans.skip_rejected_requests(
             batch, offsets, lut, lut_size, full_slots=shape.num_slots, group_slots=group_slots
         )
         want, rejected = _skipped_by_hand(batch, full_slots=shape.num_slots, group_slots=group_slots)
@@ -415,7 +416,7 @@ def test_reference_plan_is_build_plans():
     for seed in range(3):
         _, _, b, *_ = make_case(seed, shape, overflow=seed == 2, out_of_range=False)
         b = common.with_roles(b)  # SGLang's roles: rows with a table row are requests
-        plan = reference.build_plan(
+        plan = plans.build_plan(
             b,
             capacity=shape.capacity,
             window=shape.window,

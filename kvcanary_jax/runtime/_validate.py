@@ -1,7 +1,7 @@
-"""What a wrapped step checks at trace time: the state, the batch and the real-KV sources, against the canary.
+"""What a wrapped step validates at trace time: the state, the batch and the real-KV sources, against the canary.
 
-Shapes, dtypes and presence are static, so they are checked here, naming the field; the values are checked in
-the step (:mod:`kvcanary_jax.runtime._inputs`).
+Shapes, dtypes and presence are static, so they are validated here, once a step, naming the field; the values are
+checked in the step (:mod:`kvcanary_jax.runtime._inputs`, by the batch checks).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from kvcanary_jax.core._config import CanaryConfig
 from kvcanary_jax.core._constants import Half, Phase, RealKvHashMode
 from kvcanary_jax.runtime import _pool
 from kvcanary_jax.runtime._batch import CanaryBatch, CanaryState
-from pallas_kernels import checks, realkv
+from pallas_kernels import realkv, validate
 from pallas_kernels.phase import api as phase_api
 
 _REQUIRED_FIELDS = (
@@ -28,7 +28,7 @@ def parse_phase(value) -> Phase:
     """A Phase from a member, its value or its (case-insensitive) name."""
     if isinstance(value, str) and value.strip().upper() in Phase.__members__:
         return Phase[value.strip().upper()]
-    if checks.is_int(value) and int(value) in Phase._value2member_map_:
+    if validate.is_int(value) and int(value) in Phase._value2member_map_:
         return Phase(int(value))
     raise ValueError(f"phases must hold Phase members or their names {list(Phase.__members__)}; got {value!r}")
 
@@ -62,11 +62,10 @@ def check_no_swa(pool: _pool.CanaryPool, op: str) -> None:
         raise NotImplementedError(f"{op} covers the FULL pool only; this pool has an SWA group (CanaryPool.swa)")
 
 
-def check_state(config: CanaryConfig, pool: _pool.CanaryPool, state) -> None:
+def validate_state(config: CanaryConfig, pool: _pool.CanaryPool, state) -> None:
     """``state`` is shaped as the ``init_state()`` of the canary of ``config`` and ``pool`` (a state of another
     canary reads out of range)."""
-    if not isinstance(state, CanaryState):
-        raise TypeError(f"state must be a CanaryState (from KvCanary.init_state); got {type(state).__name__}")
+    validate.instance("state", state, CanaryState, what="CanaryState (from KvCanary.init_state)")
     if not config.enabled:
         return
     hint = "it was allocated by another canary; use this canary's init_state()"
@@ -90,7 +89,7 @@ def check_state(config: CanaryConfig, pool: _pool.CanaryPool, state) -> None:
                 buf = buffers.buffer(phase, half)
                 name = f"state.{g.name}.{_pool.GroupBuffers.field_name(phase, half)}"
                 if half in _pool.halves(pool):
-                    checks.array(name, buf, dtype=jnp.uint32, shape=(g.num_slots, 4, 2))
+                    validate.array(name, buf, dtype=jnp.uint32, shape=(g.num_slots, 4, 2))
                 elif buf is not None:
                     raise ValueError(f"{name} is set but CanaryPool.with_v is False: {hint}")
     want = fingerprint(config, pool)
@@ -102,16 +101,16 @@ def check_state(config: CanaryConfig, pool: _pool.CanaryPool, state) -> None:
         )
 
 
-def checked_batch(config: CanaryConfig, pool: _pool.CanaryPool, state, batch) -> CanaryBatch:
-    """Checks the batch against the canary of ``config`` and ``pool``; returns it with every field a jax array.
+def validated_batch(config: CanaryConfig, pool: _pool.CanaryPool, state, batch) -> phase_api.ValidBatch:
+    """Validates the batch against the canary of ``config`` and ``pool``, once a step; returns it as the phase op's
+    ``ValidBatch`` (which the phases take as it is): every field a jax array, those the config does not read None.
 
-    Shapes, dtypes and presence are static, so they are checked here, at trace time, naming the field: what the
-    config needs of the batch, here, and its arrays by the phase op's ``check_batch`` (the one set of array checks).
-    The values are checked in the step (:mod:`kvcanary_jax.runtime._inputs`).
+    Shapes, dtypes and presence are static, so they are validated here, at trace time, naming the field: what the
+    config needs of the batch, here, and its arrays by the phase op's ``validate_batch`` (the one set of array
+    checks). The values are checked in the step (:mod:`kvcanary_jax.runtime._inputs`).
     """
-    check_state(config, pool, state)
-    if not isinstance(batch, CanaryBatch):
-        raise TypeError(f"batch must be a CanaryBatch; got {type(batch).__name__}")
+    validate_state(config, pool, state)
+    validate.instance("batch", batch, CanaryBatch)
     arrays = {}
     for field in dataclasses.fields(CanaryBatch):
         x = getattr(batch, field.name)
@@ -125,7 +124,7 @@ def checked_batch(config: CanaryConfig, pool: _pool.CanaryPool, state, batch) ->
         else:
             arrays[field.name] = jnp.asarray(x)  # a host (numpy) batch works eagerly too
     for name in ("req_pool_indices", "prefix_lens", "extend_lens", "input_ids", "positions", "out_cache_loc"):
-        checks.array(f"batch.{name}", arrays[name], dtype=jnp.int32, ndim=1)
+        validate.array(f"batch.{name}", arrays[name], dtype=jnp.int32, ndim=1)
         if not arrays[name].shape[0]:  # shapes are static
             raise ValueError(f"batch.{name} needs at least one entry (pad it); got batch.{name}.shape=(0,)")
     c, swa = config, pool.swa is not None
@@ -153,7 +152,7 @@ def checked_batch(config: CanaryConfig, pool: _pool.CanaryPool, state, batch) ->
         "token_ids_lens": c.enable_verify_token_assert,
     }
     launched = {name: getattr(batch, name) if on else None for name, on in used.items()}
-    phase_api.check_batch(dataclasses.replace(batch, **launched))
+    batch = phase_api.validate_batch(dataclasses.replace(batch, **launched))
     if swa and batch.full_to_swa_index_mapping.shape[0] < pool.num_slots:
         raise ValueError(
             f"batch.full_to_swa_index_mapping must map every full-pool slot (i32[num_slots + 1], "
@@ -168,11 +167,11 @@ def checked_batch(config: CanaryConfig, pool: _pool.CanaryPool, state, batch) ->
                 f"while the verify-token assert keeps a token pool of that shape; got batch.req_to_token.shape="
                 f"{tuple(batch.req_to_token.shape)}"
             )
-        checks.array("batch.token_ids", batch.token_ids, dtype=jnp.int32, shape=pool_shape)
+        validate.array("batch.token_ids", batch.token_ids, dtype=jnp.int32, shape=pool_shape)
     return batch
 
 
-def check_sources(config: CanaryConfig, pool: _pool.CanaryPool, sources) -> None:
+def validate_sources(config: CanaryConfig, pool: _pool.CanaryPool, sources) -> None:
     if not isinstance(sources, _pool.KvSources):
         raise TypeError(f"kv_cache_sources must be KvSources (see KvCanary.kv_sources); got {type(sources).__name__}")
     launched = {f"{g.name}_{h.name.lower()}": (g, h) for g in pool.groups for h in _pool.halves(pool)}

@@ -1,4 +1,4 @@
-"""Trace-time argument checks with messages that name the argument, the expectation and the value received."""
+"""Trace-time argument validation, with messages that name the argument, the expectation and the value received."""
 
 from __future__ import annotations
 
@@ -57,3 +57,9 @@ def canary_buffer(x, name: str = "canary_buf") -> int:
     if x.shape[0] < 1:
         raise ValueError(f"{name} needs at least one slot; got {name}.shape={tuple(x.shape)}")
     return x.shape[0]
+
+
+def instance(name: str, value, cls: type | tuple[type, ...], *, what: str | None = None) -> None:
+    """Checks that ``value`` is a ``cls`` (``what`` names it in the message; default: the class's name)."""
+    if not isinstance(value, cls):
+        raise TypeError(f"{name} must be a {what or cls.__name__}; got {type(value).__name__}")
