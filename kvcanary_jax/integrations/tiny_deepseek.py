@@ -9,9 +9,7 @@ is swapped for an XLA one (:mod:`kvcanary_jax.integrations.sglang_cpu`).
 
 from __future__ import annotations
 
-import json
 import os
-import pathlib
 
 import numpy as np
 
@@ -52,11 +50,4 @@ def _weights(config: dict, seed: int, scale: float = 0.05) -> dict[str, np.ndarr
 
 def write_tiny_deepseek_v3(directory: str | os.PathLike, *, seed: int = 0) -> str:
     """Writes the config, random weights (``model.safetensors``) and the local tokenizer; returns the path."""
-    from safetensors.numpy import save_file
-
-    path = pathlib.Path(directory)
-    path.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text(json.dumps(TINY_DEEPSEEK_V3, indent=1))
-    save_file(_weights(TINY_DEEPSEEK_V3, seed), str(path / "model.safetensors"))
-    tiny_llama._write_tokenizer(path, TINY_DEEPSEEK_V3)
-    return str(path)
+    return tiny_llama.write_model_dir(directory, TINY_DEEPSEEK_V3, _weights(TINY_DEEPSEEK_V3, seed))

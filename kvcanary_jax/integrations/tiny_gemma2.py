@@ -10,9 +10,7 @@ the Hugging Face Gemma 2 names (tied embeddings: no ``lm_head``), so tokens vary
 
 from __future__ import annotations
 
-import json
 import os
-import pathlib
 
 import numpy as np
 
@@ -35,15 +33,11 @@ def _weights(seed: int, scale: float = 0.05) -> dict[str, np.ndarray]:
     """Random float32 weights under the Hugging Face Gemma 2 names: N(0, scale); norms N(0, scale) too (Gemma's
     RMSNorm scales by ``1 + weight``)."""
     c, rng = TINY_GEMMA2, np.random.default_rng(seed)
-    hidden, inter, head = c["hidden_size"], c["intermediate_size"], c["head_dim"]
-    q, kv = c["num_attention_heads"] * head, c["num_key_value_heads"] * head
+    hidden = c["hidden_size"]
     shapes = {"model.embed_tokens.weight": (c["vocab_size"], hidden), "model.norm.weight": (hidden,)}
     for i in range(c["num_hidden_layers"]):
         p = f"model.layers.{i}."
-        shapes |= {p + "self_attn.q_proj.weight": (q, hidden), p + "self_attn.k_proj.weight": (kv, hidden),
-                   p + "self_attn.v_proj.weight": (kv, hidden), p + "self_attn.o_proj.weight": (hidden, q),
-                   p + "mlp.gate_proj.weight": (inter, hidden), p + "mlp.up_proj.weight": (inter, hidden),
-                   p + "mlp.down_proj.weight": (hidden, inter)}  # fmt: skip
+        shapes |= tiny_llama.layer_shapes(c, p)
         for norm in ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
                      "post_feedforward_layernorm"):  # fmt: skip
             shapes[p + norm + ".weight"] = (hidden,)
@@ -53,11 +47,4 @@ def _weights(seed: int, scale: float = 0.05) -> dict[str, np.ndarray]:
 def write_tiny_gemma2(directory: str | os.PathLike, *, seed: int = 0) -> str:
     """Writes the tiny Gemma 2's ``config.json``, random weights (``model.safetensors``) and the local tokenizer into
     ``directory`` (made if missing); returns its path."""
-    from safetensors.numpy import save_file
-
-    path = pathlib.Path(directory)
-    path.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text(json.dumps(TINY_GEMMA2, indent=1))
-    save_file(_weights(seed), str(path / "model.safetensors"))
-    tiny_llama._write_tokenizer(path, TINY_GEMMA2)
-    return str(path)
+    return tiny_llama.write_model_dir(directory, TINY_GEMMA2, _weights(seed))

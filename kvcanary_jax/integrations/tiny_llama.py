@@ -86,18 +86,36 @@ def write_config(
     return path
 
 
+def layer_shapes(config: dict, prefix: str) -> dict[str, tuple[int, int]]:
+    """A Llama-style decoder layer's attention and MLP projections (Hugging Face names under ``prefix``): shapes."""
+    hidden, inter, head = config["hidden_size"], config["intermediate_size"], config["head_dim"]
+    q, kv = config["num_attention_heads"] * head, config["num_key_value_heads"] * head
+    return {prefix + "self_attn.q_proj.weight": (q, hidden), prefix + "self_attn.k_proj.weight": (kv, hidden),
+            prefix + "self_attn.v_proj.weight": (kv, hidden), prefix + "self_attn.o_proj.weight": (hidden, q),
+            prefix + "mlp.gate_proj.weight": (inter, hidden), prefix + "mlp.up_proj.weight": (inter, hidden),
+            prefix + "mlp.down_proj.weight": (hidden, inter)}  # fmt: skip
+
+
+def write_model_dir(directory: str | os.PathLike, config: dict, weights: dict[str, np.ndarray]) -> str:
+    """Writes ``config.json``, the weights (``model.safetensors``) and the local tokenizer (padded to the config's
+    vocabulary) into ``directory`` (made if missing); returns its path. The tiny families' common last step."""
+    from safetensors.numpy import save_file
+
+    path = pathlib.Path(directory)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(config, indent=1))
+    save_file(weights, str(path / "model.safetensors"))
+    _write_tokenizer(path, config)
+    return str(path)
+
+
 def _weights(seed: int, scale: float = 0.05, config: dict = TINY_LLAMA) -> dict[str, np.ndarray]:
     """Random float32 weights under the Hugging Face Llama names: N(0, scale), norms 1."""
     c, rng = config, np.random.default_rng(seed)
-    hidden, inter, head = c["hidden_size"], c["intermediate_size"], c["head_dim"]
-    q, kv = c["num_attention_heads"] * head, c["num_key_value_heads"] * head
+    hidden = c["hidden_size"]
     shapes = {"model.embed_tokens.weight": (c["vocab_size"], hidden), "lm_head.weight": (c["vocab_size"], hidden)}
     for i in range(c["num_hidden_layers"]):
-        p = f"model.layers.{i}."
-        shapes |= {p + "self_attn.q_proj.weight": (q, hidden), p + "self_attn.k_proj.weight": (kv, hidden),
-                   p + "self_attn.v_proj.weight": (kv, hidden), p + "self_attn.o_proj.weight": (hidden, q),
-                   p + "mlp.gate_proj.weight": (inter, hidden), p + "mlp.up_proj.weight": (inter, hidden),
-                   p + "mlp.down_proj.weight": (hidden, inter)}  # fmt: skip
+        shapes |= layer_shapes(c, f"model.layers.{i}.")
     out = {k: (rng.standard_normal(s) * scale).astype(np.float32) for k, s in shapes.items()}
     layer_norms = ("input_layernorm.weight", "post_attention_layernorm.weight")
     layers = range(c["num_hidden_layers"])

@@ -8,9 +8,7 @@ tokenizer. On CPU serve it with ``--gdn-prefill-impl chunked_jax`` (the default 
 
 from __future__ import annotations
 
-import json
 import os
-import pathlib
 
 import numpy as np
 
@@ -69,11 +67,4 @@ def _weights(c: dict, seed: int, scale: float = 0.05) -> dict[str, np.ndarray]:
 
 def write_tiny_qwen3_5(directory: str | os.PathLike, *, seed: int = 0) -> str:
     """Writes the config, random weights (``model.safetensors``) and the local tokenizer; returns the path."""
-    from safetensors.numpy import save_file
-
-    path = pathlib.Path(directory)
-    path.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text(json.dumps(TINY_QWEN3_5, indent=1))
-    save_file(_weights(_TEXT, seed), str(path / "model.safetensors"))
-    tiny_llama._write_tokenizer(path, TINY_QWEN3_5)
-    return str(path)
+    return tiny_llama.write_model_dir(directory, TINY_QWEN3_5, _weights(_TEXT, seed))
