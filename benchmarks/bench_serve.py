@@ -72,7 +72,8 @@ PRESETS = {
 }  # fmt: skip
 
 _ENGINE_COMPILE = re.compile(r"\[(EXTEND|DECODE)\] Precompile finished in ([0-9.]+) secs")
-_CANARY_COMPILE = re.compile(r"kvcanary.*?compil\w*\D*?([0-9]+(?:\.[0-9]+)?)\s*(ms|s\b|sec)", re.IGNORECASE)
+# the serve log's startup line: "kvcanary precompiled 17 programs in 37.5 s (...)"
+_CANARY_COMPILE = re.compile(r"kvcanary precompiled \d+ programs in ([0-9]+(?:\.[0-9]+)?) (ms|s)\b")
 
 
 def progress(msg: str) -> None:

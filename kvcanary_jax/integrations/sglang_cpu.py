@@ -16,7 +16,6 @@ pool at the layer's physical index, as its ``set_kv_buffer`` does.
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 
 _VMEM_BYTES = 64 << 20  # any value: the XLA kernel does not use it; it spares the backend its TPU query
@@ -109,13 +108,15 @@ def _hybrid_set_kv_buffer_legacy(self, layer_id, loc, cache_k, cache_v):
     return self.full_kv_pool.set_kv_buffer_legacy(self._to_physical(layer_id), loc, cache_k, cache_v)
 
 
-def install() -> None:
+def install(device: str) -> None:
     """On CPU, makes sglang-jax run ``--attention-backend fa`` MLA models (``MLATokenToKVPool``) with the XLA kernel,
     and hybrid linear-attention models (``HybridLinearKVPool``) with the native backend.
 
-    Idempotent; a no-op off CPU. Affects this process only (a served engine installs it in its scheduler process).
+    ``device``: the engine's ``--device`` (``ServerArgs.device``); a no-op unless ``"cpu"`` (decided by the argument,
+    not by asking jax: a launcher process that initialised an accelerator would hold its memory). Idempotent. Affects
+    this process only (a served engine installs it in its scheduler process).
     """
-    if jax.default_backend() != "cpu":
+    if device != "cpu":
         return
     from sgl_jax.srt.layers.attention import mla_backend
     from sgl_jax.srt.mem_cache.memory_pool import HybridLinearKVPool

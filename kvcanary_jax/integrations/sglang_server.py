@@ -29,7 +29,7 @@ import time
 import numpy as np
 
 import kvcanary_jax as kc
-from kvcanary_jax.integrations import sglang_drills, sglang_jax, sglang_metrics, sglang_native_swa
+from kvcanary_jax.integrations import sglang_cpu, sglang_drills, sglang_jax, sglang_metrics, sglang_native_swa
 from kvcanary_jax.integrations._sglang_refuse import speculative_refusal
 
 logger = logging.getLogger("kvcanary_jax.serve")
@@ -362,25 +362,31 @@ def install_in_this_process() -> None:
     """Makes the engine build :class:`CanaryScheduler` wherever it builds its ``Scheduler`` in this process."""
     from sgl_jax.srt.managers import scheduler as scheduler_module
 
-    from kvcanary_jax.integrations import sglang_cpu
-
-    sglang_cpu.install()  # CPU: MLA models (--attention-backend fa) on an XLA kernel; a no-op elsewhere
     if not getattr(scheduler_module.Scheduler, "_kvcanary", False):
         cls = _scheduler_class(scheduler_module.Scheduler)
         cls._kvcanary = True
         scheduler_module.Scheduler = cls
 
 
-def run_scheduler_process(*args, **kwargs):
-    """The spawned scheduler's target (picklable by name): the canary installed, then the engine's own target."""
+def install_engine_patches(settings: ServeSettings, device: str) -> None:
+    """The engine's own gaps filled in this process, canary on or off (so ``--canary-mode off`` is the same engine):
+    on CPU, MLA and hybrid-linear models (:mod:`.sglang_cpu`); with ``--canary-native-swa``, SWA pools on the native
+    attention (:mod:`.sglang_native_swa`)."""
+    sglang_cpu.install(device)
+    if settings.native_swa:
+        sglang_native_swa.install()
+
+
+def run_scheduler_process(server_args, *args, **kwargs):
+    """The spawned scheduler's target (picklable by name): the engine's patches and the canary installed, then the
+    engine's own target."""
     from sgl_jax.srt.managers import scheduler as scheduler_module
 
     settings = ServeSettings(**json.loads(os.environ[ENV]))
-    if settings.native_swa:
-        sglang_native_swa.install()
+    install_engine_patches(settings, server_args.device)
     if settings.mode != "off":
         install_in_this_process()
-    return scheduler_module.run_scheduler_process(*args, **kwargs)
+    return scheduler_module.run_scheduler_process(server_args, *args, **kwargs)
 
 
 # --- the server process ---------------------------------------------------------------------------------------------
@@ -416,10 +422,8 @@ def main(argv: list[str]) -> int:
         print(f"kvcanary serve: {err}", file=sys.stderr)
         return 2
     os.environ[ENV] = json.dumps(dataclasses.asdict(settings))
-    if settings.native_swa:
-        sglang_native_swa.install()  # --enable-single-process runs the model here
-    if settings.mode != "off" or settings.native_swa:
-        engine.run_scheduler_process = run_scheduler_process  # the spawned child's target
+    install_engine_patches(settings, server_args.device)  # --enable-single-process runs the model here
+    engine.run_scheduler_process = run_scheduler_process  # the spawned child's target
     if settings.mode != "off":
         install_in_this_process()  # --enable-single-process builds the scheduler here
         signal.signal(_STOP_SIGNAL, _on_stop)

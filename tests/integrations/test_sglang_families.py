@@ -48,7 +48,7 @@ def family_worker(path: str, *, attention_backend: str, page_size: int, **engine
     from sgl_jax.srt.server_args import ServerArgs
     from sgl_jax.srt.utils.mesh_utils import create_device_mesh
 
-    sglang_cpu.install()
+    sglang_cpu.install("cpu")
     e = sglang_engine
     args = ServerArgs(
         model_path=path, device="cpu", attention_backend=attention_backend, skip_tokenizer_init=True,
