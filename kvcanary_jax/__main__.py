@@ -14,10 +14,10 @@ from pallas_kernels.backend import BACKENDS
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:2] == ["serve", "sglang-jax"]:
-        from kvcanary_jax.integrations import sglang_server  # every other argument is sglang-jax's
+        from kvcanary_jax.integrations import sglang_serve_args, sglang_server  # every other argument is sglang-jax's
 
         if {"-h", "--help"} & set(argv[2:3]):
-            sglang_server.canary_parser().print_help()
+            sglang_serve_args.canary_parser().print_help()
             print("\nEvery other argument is sglang-jax's: python -m sgl_jax.launch_server --help")
             return 0
         return sglang_server.main(argv[2:])

@@ -123,9 +123,9 @@ def _check_command(command: str, where: str) -> None:
             subs = re.search(r"\{([^}]*)\}", _help([])).group(1).split(",")
             assert sub in subs, f"{where}: `python -m kvcanary_jax` has no sub-command {sub!r} (it has {subs})"
             if sub == "serve":
-                from kvcanary_jax.integrations import sglang_server
+                from kvcanary_jax.integrations import sglang_serve_args
 
-                _, unknown = sglang_server.canary_parser().parse_known_args(args[4:])
+                _, unknown = sglang_serve_args.canary_parser().parse_known_args(args[4:])
                 wrong = [w for w in unknown if w.startswith("--canary")]
                 assert not wrong, f"{where}: `serve sglang-jax` has no options {wrong}"
             else:

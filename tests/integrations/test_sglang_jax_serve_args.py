@@ -8,13 +8,13 @@ import types
 import numpy as np
 import pytest
 
-from kvcanary_jax.integrations import sglang_drills, sglang_jax, sglang_server
+from kvcanary_jax.integrations import sglang_drills, sglang_jax, sglang_serve_args
 
 
 def test_canary_options_are_split_off_and_the_rest_is_kept_in_order():
     argv = ["--model-path", "/m", "--canary-mode", "raise", "--page-size", "4", "--canary-inject=live_kv:0.5",
             "--canary-sweep-interval", "8", "--enable-metrics"]  # fmt: skip
-    settings, rest = sglang_server.split_args(argv)
+    settings, rest = sglang_serve_args.split_args(argv)
     assert rest == ["--model-path", "/m", "--page-size", "4", "--enable-metrics"]
     assert (settings.mode, settings.inject, settings.sweep_interval, settings.real_kv) == ("raise", "live_kv:0.5", 8,
                                                                                            "partial")  # fmt: skip
@@ -34,7 +34,7 @@ def test_canary_options_are_split_off_and_the_rest_is_kept_in_order():
 ])  # fmt: skip
 def test_bad_canary_options_are_named(argv, message):
     with pytest.raises(ValueError, match=message):
-        sglang_server.split_args(argv)
+        sglang_serve_args.split_args(argv)
 
 
 def test_drill_spec_default_probability():
@@ -45,11 +45,11 @@ def test_unmapped_server_set_ups_are_refused_before_launch():
     args = types.SimpleNamespace(speculative_algorithm="EAGLE", dp_size=2, disaggregation_mode="prefill",
                                  multimodal=False)  # fmt: skip
     with pytest.raises(NotImplementedError, match=r"speculative decoding.*data parallelism.*PD disaggregation"):
-        sglang_server.refuse_unmapped(args)
+        sglang_serve_args.refuse_unmapped(args)
     with pytest.raises(NotImplementedError, match=r"tensor or data parallelism \(--tp-size 2 --dp-size 1"):
-        sglang_server.refuse_unmapped(types.SimpleNamespace(speculative_algorithm=None, tp_size=2, dp_size=1,
+        sglang_serve_args.refuse_unmapped(types.SimpleNamespace(speculative_algorithm=None, tp_size=2, dp_size=1,
                                                             disaggregation_mode="null", multimodal=False))  # fmt: skip
-    sglang_server.refuse_unmapped(types.SimpleNamespace(speculative_algorithm=None, dp_size=1,
+    sglang_serve_args.refuse_unmapped(types.SimpleNamespace(speculative_algorithm=None, dp_size=1,
                                                         disaggregation_mode="null", multimodal=False))  # fmt: skip
 
 
@@ -62,7 +62,7 @@ def test_each_speculative_algorithm_is_refused_with_its_reason(algorithm):
     reason = {"STANDALONE": "builds no draft worker", "DFLASH": "Pallas TPU kernel", "medusa": "does not know"}
     with pytest.raises(NotImplementedError, match=rf"kvcanary serve does not map speculative decoding "
                        rf"\(speculative_algorithm='{algorithm}': .*{reason.get(algorithm, 'EAGLE metadata')}"):  # fmt: skip
-        sglang_server.refuse_unmapped(args)
+        sglang_serve_args.refuse_unmapped(args)
 
 
 def test_hicache_is_refused_under_the_overlap_scheduler_and_accepted_without_it():
@@ -71,8 +71,8 @@ def test_hicache_is_refused_under_the_overlap_scheduler_and_accepted_without_it(
     args = dict(speculative_algorithm=None, dp_size=1, disaggregation_mode="null", multimodal=False,
                 hicache_storage="none")  # fmt: skip
     with pytest.raises(NotImplementedError, match=r"HiCache under the overlap scheduler.*--disable-overlap-schedule"):
-        sglang_server.refuse_unmapped(types.SimpleNamespace(**args, disable_overlap_schedule=False))
-    sglang_server.refuse_unmapped(types.SimpleNamespace(**args, disable_overlap_schedule=True))
+        sglang_serve_args.refuse_unmapped(types.SimpleNamespace(**args, disable_overlap_schedule=False))
+    sglang_serve_args.refuse_unmapped(types.SimpleNamespace(**args, disable_overlap_schedule=True))
 
 
 def _mwb(decode: bool, **arrays):
