@@ -74,13 +74,10 @@ class SwaPoolView(PoolView):
     Attributes (besides the base class's):
       swa_slots: slots of the SWA sub-pool (page 0 included).
       swa_window: cached positions the SWA group verifies per forward (``sliding_window - 1``).
-      full_layer, swa_layer: the engine's layer ids whose arrays the FULL and SWA real-KV checks read.
     """
 
     swa_slots: int = 0
     swa_window: int = 0
-    full_layer: int = 0
-    swa_layer: int = 0
 
     def canary_pool(self, *, max_rows: int, **kwargs) -> kc.CanaryPool:
         """Both groups; the SWA group's plans hold ``max_rows * swa_window`` entries, what a batch can verify (its
@@ -121,22 +118,19 @@ def layer_pool(pool, group: str = "full"):
     return getattr(pool, "full_kv_pool", pool)  # HybridLinearKVPool: its full-attention layers' pool
 
 
-def _mha(pool, page_size: int, runner=None) -> PoolView:
-    kv0 = pool.kv_buffer[0]
-    if kv0.ndim != 5 or kv0.shape[1] != page_size or math.prod(kv0.shape[2:4]) % 2:
-        raise NotImplementedError(f"unexpected KV layer layout {jax.typeof(kv0)} for page_size={page_size}")
-    return PoolView(name=type(pool).__name__, page_size=page_size, num_slots=int(kv0.shape[0]) * page_size)
-
-
-def _layer_array(kv0, page_size: int, what: str):
+def _fused_slots(kv0, page_size: int, what: str) -> int:
+    """Slots of a fused K/V layer array ``[pages, page_size, 2 * kv_heads // packing, packing, head_dim]``."""
     if kv0.ndim != 5 or kv0.shape[1] != page_size or math.prod(kv0.shape[2:4]) % 2:
         raise NotImplementedError(f"unexpected {what} KV layer layout {jax.typeof(kv0)} for page_size={page_size}")
     return int(kv0.shape[0]) * page_size
 
 
-def _swa(pool, page_size: int, runner=None) -> SwaPoolView:
-    if runner is None:
-        raise ValueError("the SWAKVPool view needs the ModelRunner (its sliding window)")
+def _mha(pool, page_size: int, runner) -> PoolView:
+    return PoolView(name=type(pool).__name__, page_size=page_size,
+                    num_slots=_fused_slots(pool.kv_buffer[0], page_size, "fused"))  # fmt: skip
+
+
+def _swa(pool, page_size: int, runner) -> SwaPoolView:
     dp = int(getattr(pool, "dp_size", 1))
     if dp > 1 or isinstance(pool.full_to_swa_index_mapping, list):
         raise NotImplementedError(f"the SWA pool (SWAKVPool) with DP > 1 (dp_size={dp}: one full->SWA table per rank)")
@@ -145,14 +139,13 @@ def _swa(pool, page_size: int, runner=None) -> SwaPoolView:
     window = int(runner.sliding_window_size or 0)
     if window < 2:  # a window of 1 reads no cached position: nothing for the SWA group to verify
         raise NotImplementedError(f"the SWA pool (SWAKVPool) with sliding_window={window} (the mapping needs >= 2)")
-    full_ids = list(runner.model_config.full_attention_layer_ids)
-    swa_ids = list(runner.model_config.swa_attention_layer_ids)
-    if not full_ids or not swa_ids:
-        raise NotImplementedError(f"the SWA pool (SWAKVPool) with {len(full_ids)} full and {len(swa_ids)} SWA layers")
-    num_slots = _layer_array(pool.full_kv_pool.kv_buffer[0], page_size, "full")
-    swa_slots = _layer_array(pool.swa_kv_pool.kv_buffer[0], page_size, "SWA")
+    full, swa = len(runner.model_config.full_attention_layer_ids), len(runner.model_config.swa_attention_layer_ids)
+    if not full or not swa:
+        raise NotImplementedError(f"the SWA pool (SWAKVPool) with {full} full and {swa} SWA layers")
+    num_slots = _fused_slots(pool.full_kv_pool.kv_buffer[0], page_size, "full")
+    swa_slots = _fused_slots(pool.swa_kv_pool.kv_buffer[0], page_size, "SWA")
     return SwaPoolView(name=type(pool).__name__, page_size=page_size, num_slots=num_slots, swa_slots=swa_slots,
-                       swa_window=window - 1, full_layer=full_ids[0], swa_layer=swa_ids[0])  # fmt: skip
+                       swa_window=window - 1)  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)
@@ -171,7 +164,7 @@ class MlaView(PoolView):
         return canary.kv_sources(full_k=mla_source(arrays["full"], self.page_size))
 
 
-def _mla(pool, page_size: int, runner=None) -> PoolView:
+def _mla(pool, page_size: int, runner) -> PoolView:
     kv0 = pool.kv_buffer[0]
     packing = kv0.shape[2] if kv0.ndim == 4 else 0
     if kv0.ndim != 4 or kv0.shape[1] * packing < page_size or kv0.shape[3] != pool.kv_dim:
@@ -214,7 +207,7 @@ class HybridLinearView(PoolView):
         return self.inner.sweep_plan(canary, entries, arrays)
 
 
-def _hybrid_linear(pool, page_size: int, runner=None) -> PoolView:
+def _hybrid_linear(pool, page_size: int, runner) -> PoolView:
     inner = pool.full_kv_pool
     make = _VIEWS.get(type(inner).__name__)
     if make is None or make is _hybrid_linear:
